@@ -1,0 +1,110 @@
+"""The hardware backend contract. Each device kind (cpu, cuda, rocm, xpu, gaudi) is one
+subclass, registered by a plugin; core never names a vendor.
+
+Tensor layout shared by every backend:
+
+* ``q``: ``(num_tokens, num_heads, head_dim)``; ``k``, ``v``:
+  ``(num_tokens, num_kv_heads, head_dim)`` — one flat batch, no padding across
+  requests, tokens of a request contiguous and in position order.
+* ``kv_cache`` (one per layer): ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
+  index 0 holds keys, 1 values. The token at position ``p`` of a request lives at
+  block ``block_table[p // block_size]``, offset ``p % block_size``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSlice:
+    """One request's part of a flat batch, as attention needs it."""
+
+    num_query_tokens: int  # tokens of this request in the batch
+    start_position: int  # position of its first query token (= tokens already cached)
+    block_table: list[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + self.num_query_tokens
+
+
+class BaseAttention(ABC):
+    """Paged attention for one step. Built once per step, used by every layer."""
+
+    @abstractmethod
+    def prepare(self, slices: list[SequenceSlice], block_size: int, device: torch.device) -> Any:
+        """Build the backend's metadata for one flat batch (slot mapping, gather
+        indices, masks). Called once per step; the result is passed to `forward`
+        of every layer unchanged."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's ``k``/``v`` into ``kv_cache`` at each token's slot, then
+        return causal attention of every query over its own request's context
+        (cached tokens plus this step's), shape ``(num_tokens, num_heads, head_dim)``,
+        dtype of ``q``. Must not read or write slots of other requests."""
+
+
+class BaseBackend(ABC):
+    """A device kind. Subclasses are registered through the `ember_register_backends` hook.
+
+    Invariants: construction is cheap and touches no device; `is_available` never
+    raises; a backend that is not available is never constructed by the engine.
+    """
+
+    name: ClassVar[str]
+    #: Higher wins when the user does not name a backend and several are available.
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this machine has the device (and its vendor library)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The torch device weights, activations and the KV cache live on."""
+
+    @property
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Model dtypes this backend runs."""
+
+    @abstractmethod
+    def resolve_dtype(self, requested: str, model_dtype: torch.dtype | None) -> torch.dtype:
+        """Turn a user's dtype string (``"auto"``, ``"float32"``, ``"bfloat16"``, ...)
+        into a supported dtype; raise ValueError naming an unsupported one."""
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype matrix multiplies run in for weights stored in ``dtype``. The
+        default is ``dtype`` itself; a backend whose hardware lacks fast kernels for
+        a storage dtype may upcast (and must document it)."""
+        return dtype
+
+    @abstractmethod
+    def kv_cache_memory_bytes(self, model_bytes: int) -> int:
+        """Default memory budget for the KV cache, given the loaded weights' size."""
+
+    @abstractmethod
+    def create_attention(self) -> BaseAttention:
+        """The paged attention implementation for this device."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on synchronous devices)."""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.device})"

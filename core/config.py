@@ -1,0 +1,77 @@
+"""Engine configuration: frozen dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache shape. `num_blocks=None` means: size the pool from the memory budget."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of the continuous batch."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            # Without chunked prefill (a later issue) a prompt is prefilled in one step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so that any prompt fits one step"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from. `model=None` is the default model."""
+
+    model: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    backend: str | None = None  # None: the available backend with the highest priority
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int | None = None
+    disabled_plugins: tuple[str, ...] = ()
+    required_plugins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
+        object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)

@@ -1,0 +1,210 @@
+"""The engine: resolves plugins, loads the model, and runs scheduler steps."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ember.backend import BaseBackend
+from ember.config import EngineConfig, SchedulerConfig
+from ember.kv_cache_manager import KVCacheManager
+from ember.model_loader import load_hf_config, load_model, model_dtype
+from ember.model_runner import ModelRunner
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.plugin import create_plugin_manager
+from ember.plugin.manager import EmberPluginManager
+from ember.request import Request
+from ember.sampling_params import SamplingParams
+from ember.scheduler import Scheduler
+from ember.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from ember.weights import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
+    registry = pm.registries.backends
+    if name is not None:
+        cls = registry.get(name)
+        if not cls.is_available():
+            raise ValueError(f"backend {name!r} is not available on this machine")
+        return cls()
+    available = [cls for _, cls in registry.items() if cls.is_available()]
+    if not available:
+        raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
+    return max(available, key=lambda c: c.priority)()
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Single-process engine. Not thread-safe: one thread calls add/abort/step."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: EmberPluginManager | None = None) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager or create_plugin_manager(
+            disabled=config.disabled_plugins, required=config.required_plugins
+        )
+        self.plugin_manager.hook.ember_configure(config=config)
+        self.backend = select_backend(self.plugin_manager, config.backend)
+
+        self.model_dir = resolve_model(config.model, config.revision)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.dtype = self.backend.resolve_dtype(config.dtype, model_dtype(self.hf_config))
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+
+        attention = self.backend.create_attention()
+        self.model = load_model(
+            self.model_dir, self.hf_config, self.backend, attention, self.dtype,
+            self.plugin_manager.registries.model_architectures,
+        )
+
+        model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        sliding_window = getattr(self.hf_config, "sliding_window", None)
+        if sliding_window and getattr(self.hf_config, "use_sliding_window", True):
+            # Ember has no sliding-window attention yet: stay within the window,
+            # where full attention is exact.
+            model_max_len = min(model_max_len, int(sliding_window))
+        max_model_len = config.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {model_max_len}")
+        self.max_model_len = max_model_len
+
+        spec = self.model.kv_cache_spec
+        bytes_per_token = spec.bytes_per_token(self.dtype)
+        block_size = config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = config.kv_cache_memory_bytes or self.backend.kv_cache_memory_bytes(model_bytes)
+            num_blocks = budget // (bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
+        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        max_batched = config.max_num_batched_tokens or max(8192, max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max_batched, max_model_len), self.kv_manager
+        )
+        self.runner = ModelRunner(self.model, self.backend, attention, num_blocks, block_size, self.dtype, config.seed)
+        self._states: dict[str, _RequestState] = {}
+        self._counter = itertools.count()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
+            num_blocks, block_size, num_blocks * block_size,
+            num_blocks * block_size * bytes_per_token / 2**20, self.dtype,
+        )
+
+    @property
+    def num_kv_cache_tokens(self) -> int:
+        return self.kv_manager.num_blocks * self.kv_manager.block_size
+
+    # -- requests -------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; it joins the running batch at the next step.
+
+        Raises ValueError for an empty prompt, token ids outside the vocabulary,
+        or a prompt longer than the model's context.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if prompt_token_ids is None:
+            if prompt is None or (isinstance(prompt, str) and not prompt):
+                raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        request_id = request_id or f"req-{next(self._counter)}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            prompt=prompt,
+        )
+        self.scheduler.add_request(request)  # validates length against the context
+        self._states[request_id] = _RequestState(
+            request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        )
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort_request(request_id)
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._notify_finished(state.request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the requests that changed."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs: list[RequestOutput] = []
+        for update in updates:
+            request = update.request
+            state = self._states.get(request.request_id)
+            if state is None:
+                continue
+            new_text = state.detokenizer.add_tokens(update.new_token_ids) if update.new_token_ids else ""
+            if request.is_finished:
+                new_text += state.detokenizer.flush()
+                del self._states[request.request_id]
+                self._notify_finished(request)
+            if not update.new_token_ids and not request.is_finished:
+                continue
+            outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
+        return outputs
+
+    def _make_output(self, request: Request, state: _RequestState, new_ids: list[int], new_text: str) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_token_id,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+        )
+
+    def _notify_finished(self, request: Request) -> None:
+        self.plugin_manager.hook.ember_request_finished(
+            request_id=request.request_id,
+            finish_reason=request.finish_reason,
+            num_output_tokens=request.num_output_tokens,
+        )

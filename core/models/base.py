@@ -1,0 +1,60 @@
+"""The contract every model architecture implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.backend import BaseAttention
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token's KV needs: the runner sizes and allocates the cache from it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+class BaseCausalLM(nn.Module, ABC):
+    """A decoder-only model over one flat batch with a paged KV cache.
+
+    Constructed as ``cls(hf_config, attention, compute_dtype)`` on the meta
+    device or directly on the target device; weights arrive through
+    :meth:`load_weights` using the Hugging Face checkpoint names.
+    """
+
+    @property
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``(num_tokens,)`` int64. ``kv_caches``: one
+        tensor per layer (layout in :mod:`ember.backend`). Returns hidden states
+        ``(num_tokens, hidden_size)`` in the compute dtype."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(num_sampled, hidden_size)`` -> float32 logits ``(num_sampled, vocab_size)``."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the model; raise
+        ValueError naming any missing or unexpected tensor."""

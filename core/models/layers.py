@@ -1,0 +1,139 @@
+"""Building blocks shared by architectures: linear, RMSNorm, rotary embedding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with weights stored in one dtype and multiplied in the
+    compute dtype (see ``BaseBackend.compute_dtype``). ``output_sizes`` records the
+    row blocks of a fused projection (qkv, gate+up) so loaders can fill each part."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        out = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+        self.compute_dtype = compute_dtype
+
+    def load_part(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy one part (``index`` into output_sizes) of the weight or bias."""
+        start = sum(self.output_sizes[:index])
+        rows = self.output_sizes[index]
+        target = self.weight if name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {name} this layer does not have")
+        part = target.data[start : start + rows]
+        if part.shape != tensor.shape:
+            raise ValueError(f"{name} part {index}: expected shape {tuple(part.shape)}, got {tuple(tensor.shape)}")
+        part.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        b = self.bias
+        if w.dtype != self.compute_dtype:
+            w = w.to(self.compute_dtype)
+            b = b.to(self.compute_dtype) if b is not None else None
+        return F.linear(x, w, b)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as the reference implementation does."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight.to(dtype) * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config) -> dict:
+    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    params["rope_type"] = rope_type
+    params.setdefault("rope_theta", 10000.0)
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context_len = int(params.get("original_max_position_embeddings", max_position_embeddings))
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face layout) with a cos/sin cache by position."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict, device=None) -> None:
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, params, max_position)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """``q``: (T, Hq, D), ``k``: (T, Hkv, D) -> rotated, same shapes and dtype."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,206 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): GQA, RoPE, RMSNorm, SwiGLU,
+fused qkv and gate/up projections, tied embeddings, paged KV cache.
+
+Registered as a built-in plugin through Ember's own `ember` entry point.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.backend import BaseAttention
+from ember.models.base import BaseCausalLM, KVCacheSpec
+from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, rope_parameters
+from ember.plugin import hookimpl
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, attention: BaseAttention, dtype, compute_dtype, device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        self.head_dim = _head_dim(cfg)
+        # Qwen2 has q/k/v biases without declaring attention_bias.
+        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias, dtype, compute_dtype, device)
+        o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
+        self.o_proj = Linear(q_size, [cfg.hidden_size], o_bias, dtype, compute_dtype, device)
+        self.sizes = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+        self.attn = attention
+
+    def forward(self, positions, hidden, kv_cache, attn_metadata, rotary: RotaryEmbedding):
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, dtype, compute_dtype, device) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by the Llama family (only 'silu')")
+        inter = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias, dtype, compute_dtype, device)
+        self.down_proj = Linear(inter, [cfg.hidden_size], bias, dtype, compute_dtype, device)
+        self.intermediate_size = inter
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, attention, dtype, compute_dtype, device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, attention, dtype, compute_dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, compute_dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions, hidden, residual, kv_cache, attn_metadata, rotary):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, rotary)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(BaseCausalLM):
+    """Weights are stored in the dtype of ``hf_config``'s load (``dtype``) and
+    multiplied in ``compute_dtype``; activations are kept in ``compute_dtype``."""
+
+    def __init__(
+        self,
+        hf_config,
+        attention: BaseAttention,
+        compute_dtype: torch.dtype,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        cfg = hf_config
+        dtype = dtype or compute_dtype
+        self.config = cfg
+        self.compute_dtype = compute_dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, compute_dtype, device)
+        )
+        self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg), device)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.layers[0].self_attn
+        return KVCacheSpec(len(self.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata: Any) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.rotary)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            weight = self.embed_tokens.weight
+            if weight.dtype != self.compute_dtype:
+                weight = weight.to(self.compute_dtype)
+            logits = F.linear(hidden_states, weight)
+        else:
+            logits = self.lm_head(hidden_states)
+        return logits.float()
+
+    # -- weights ------------------------------------------------------------
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some checkpoints store the tied copy too
+            match = self._LAYER_RE.match(name)
+            if match and match.group(3) in self._FUSED:
+                layer, block, proj, kind = match.groups()
+                fused, index = self._FUSED[proj]
+                module = getattr(getattr(self.layers[int(layer)], block), fused)
+                module.load_part(index, kind, tensor)
+                loaded.add(f"layers.{layer}.{block}.{fused}.{kind}#{index}")
+                continue
+            target = name[len("model.") :] if name.startswith("model.") else name
+            if target.startswith("lm_head.") and self.lm_head is not None:
+                target = target  # lm_head.weight lives at the top level
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(target)
+        expected = set()
+        for pname, _ in self.named_parameters():
+            module_name, _, kind = pname.rpartition(".")
+            if module_name.endswith(("qkv_proj", "gate_up_proj")):
+                parts = 3 if module_name.endswith("qkv_proj") else 2
+                expected.update(f"{module_name}.{kind}#{i}" for i in range(parts))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+@hookimpl
+def ember_register_model_architectures(registry) -> None:
+    for name in ARCHITECTURES:
+        registry.register(name, LlamaForCausalLM)

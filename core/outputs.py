@@ -1,0 +1,33 @@
+"""What the engine hands back to callers, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. `text` is the concatenation of every streamed delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    `new_token_ids` and `new_text` are what this step added (for streaming);
+    `outputs[0]` holds everything so far.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""

@@ -1,0 +1,72 @@
+"""A request as the scheduler and runner see it: plain, mutable, per-request hot data."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ember.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request.
+
+    `num_computed_tokens` catches up with `num_tokens` (prompt plus output): the
+    scheduler schedules the difference, whether that is a whole prompt or one
+    decode token, so prefill and decode are one mechanism.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_index: int = 0
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_token_id: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

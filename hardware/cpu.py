@@ -1,0 +1,187 @@
+"""The CPU backend: the reference implementation every other backend is checked against.
+
+Attention gathers each request's KV blocks and runs PyTorch's
+``scaled_dot_product_attention``: single-token (decode) queries of all requests
+in one batched call, multi-token (prefill) queries one request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.plugin import hookimpl
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
+
+
+@dataclass
+class PrefillGroup:
+    token_start: int
+    token_end: int
+    start_position: int
+    # flat slot ids of the whole context (cached + new); None when nothing was cached
+    context_slots: torch.Tensor | None
+
+
+@dataclass
+class CPUAttentionMetadata:
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    decode_token_index: torch.Tensor | None  # (num_decodes,) rows of the flat batch
+    decode_block_tables: torch.Tensor | None  # (num_decodes, max_blocks) int64, padded with 0
+    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_blocks * block_size) bool
+    prefills: list[PrefillGroup]
+    block_size: int
+
+
+class CPUAttention(BaseAttention):
+    def prepare(self, slices: list[SequenceSlice], block_size: int, device: torch.device) -> CPUAttentionMetadata:
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillGroup] = []
+        row = 0
+        for s in slices:
+            table = s.block_table
+            positions = range(s.start_position, s.context_len)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in positions)
+            if s.num_query_tokens == 1 and s.start_position > 0:
+                decode_rows.append(row)
+                decode_tables.append(table[: -(-s.context_len // block_size)])
+                decode_lens.append(s.context_len)
+            else:
+                context = None
+                if s.start_position > 0:
+                    context = torch.tensor(
+                        [table[p // block_size] * block_size + p % block_size for p in range(s.context_len)],
+                        dtype=torch.int64,
+                    )
+                prefills.append(PrefillGroup(row, row + s.num_query_tokens, s.start_position, context))
+            row += s.num_query_tokens
+        decode_index = decode_bt = decode_mask = None
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            decode_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64, device=device)
+            lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+            decode_mask = (torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return CPUAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            decode_token_index=decode_index,
+            decode_block_tables=decode_bt,
+            decode_mask=decode_mask,
+            prefills=prefills,
+            block_size=block_size,
+        )
+
+    def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat_cache[0].index_copy_(0, metadata.slot_mapping, k.to(kv_cache.dtype))
+        flat_cache[1].index_copy_(0, metadata.slot_mapping, v.to(kv_cache.dtype))
+        out = torch.empty_like(q)
+        is_gqa = q.shape[1] != num_kv_heads
+        for group in metadata.prefills:
+            qs = q[group.token_start : group.token_end].transpose(0, 1)
+            if group.context_slots is None:
+                ks = k[group.token_start : group.token_end].transpose(0, 1)
+                vs = v[group.token_start : group.token_end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=is_gqa)
+            else:
+                ks = flat_cache[0][group.context_slots].transpose(0, 1).to(q.dtype)
+                vs = flat_cache[1][group.context_slots].transpose(0, 1).to(q.dtype)
+                n_q, n_ctx = qs.shape[1], ks.shape[1]
+                mask = torch.ones(n_q, n_ctx, dtype=torch.bool).tril(diagonal=n_ctx - n_q)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
+            out[group.token_start : group.token_end] = o.transpose(0, 1)
+        if metadata.decode_token_index is not None:
+            tables = metadata.decode_block_tables
+            num_decodes = tables.shape[0]
+            # (num_decodes, max_blocks, block_size, kv_heads, head_dim) -> (B, kv_heads, L, D)
+            ks = kv_cache[0][tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+            vs = kv_cache[1][tables].view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+            qd = q[metadata.decode_token_index].unsqueeze(2)  # (B, heads, 1, D)
+            o = F.scaled_dot_product_attention(
+                qd, ks.to(q.dtype), vs.to(q.dtype), attn_mask=metadata.decode_mask, scale=scale, enable_gqa=is_gqa
+            )
+            out[metadata.decode_token_index] = o.squeeze(2)
+        return out
+
+
+def _has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: PyTorch's oneDNN then runs bf16 GEMMs fast."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class CPUBackend(BaseBackend):
+    """Always available. dtype ``auto`` is float32.
+
+    bfloat16 is a storage dtype here: weights and the KV cache are kept in bf16,
+    while matrix multiplies and activations run in float32 on CPUs without native
+    bf16 support (no AVX512-BF16/AMX), where PyTorch's bf16 GEMM is several times
+    slower than its fp32 GEMM. Set ``EMBER_CPU_BF16_COMPUTE=1`` to force bf16 math.
+    """
+
+    name = "cpu"
+    priority = 0
+
+    def __init__(self) -> None:
+        self._native_bf16: bool | None = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16)
+
+    def resolve_dtype(self, requested: str, model_dtype: torch.dtype | None) -> torch.dtype:
+        if requested == "auto":
+            return torch.float32
+        dtype = _DTYPES.get(requested)
+        if dtype is None:
+            raise ValueError(
+                f"dtype {requested!r} is not supported by the cpu backend; choose one of: auto, float32, bfloat16"
+            )
+        return dtype
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype != torch.bfloat16:
+            return dtype
+        if os.environ.get("EMBER_CPU_BF16_COMPUTE") == "1":
+            return dtype
+        if self._native_bf16 is None:
+            self._native_bf16 = _has_native_bf16()
+        return torch.bfloat16 if self._native_bf16 else torch.float32
+
+    def kv_cache_memory_bytes(self, model_bytes: int) -> int:
+        # A quarter of the RAM still available, capped at 4 GiB: the CPU shares memory
+        # with everything else on the host.
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            available = 8 << 30
+        return int(max(256 << 20, min(4 << 30, available // 4)))
+
+    def create_attention(self) -> BaseAttention:
+        return CPUAttention()
+
+
+@hookimpl
+def ember_register_backends(registry) -> None:
+    registry.register("cpu", CPUBackend)

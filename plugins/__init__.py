@@ -1,0 +1,1 @@
+"""Built-in plugins: logits processors, grammar, watermark, speculators, quantizers."""
