@@ -1,0 +1,217 @@
+"""The scheduler and KV manager driven by hand-built runner outputs: no model."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pytest
+
+from ember.config import SchedulerConfig
+from ember.kv_cache_manager import KVCacheManager
+from ember.request import Request, RequestStatus
+from ember.sampling_params import SamplingParams
+from ember.scheduler import ModelRunnerOutput, Scheduler
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len), kv)
+
+
+def make_request(rid, prompt_len, max_tokens=4, **params):
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, **params),
+        eos_token_ids=(EOS,),
+    )
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = [[token] if s.needs_sample else [] for s in out.scheduled]
+    updates = sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled))
+    return out, updates
+
+
+def test_prefill_then_decode_one_token_per_step():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 5))
+    out, _ = run_step(sched)
+    [item] = out.scheduled
+    assert (item.request_id, item.num_tokens, item.start_position, item.is_prefill) == ("a", 5, 0, True)
+    assert item.token_ids == [10, 11, 12, 13, 14]
+    assert item.block_table == [0, 1]
+    assert out.total_num_scheduled_tokens == 5
+    out, _ = run_step(sched)
+    [item] = out.scheduled
+    assert (item.num_tokens, item.start_position, item.is_prefill) == (1, 5, False)
+    assert item.token_ids == [7]
+    assert item.block_table == [0, 1]
+
+
+def test_new_request_joins_running_batch_and_finished_one_leaves():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3, max_tokens=2))
+    run_step(sched)
+    sched.add_request(make_request("b", 6, max_tokens=3))
+    out, updates = run_step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
+    assert out.total_num_scheduled_tokens == 7
+    a = updates[0].request
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7]
+    assert sched.kv.get_block_table("a") == []
+    assert (len(sched.running), len(sched.waiting)) == (1, 0)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("b", 1)]
+    assert out.finished_request_ids == frozenset({"a"})
+
+
+def test_eos_and_stop_tokens_respect_min_tokens_and_ignore_eos():
+    sched = make_scheduler()
+    sched.add_request(make_request("eos", 2, max_tokens=5))
+    sched.add_request(make_request("min", 2, max_tokens=5, min_tokens=2))
+    sched.add_request(make_request("ign", 2, max_tokens=3, ignore_eos=True))
+    sched.add_request(make_request("stop", 2, max_tokens=5, stop_token_ids=[9], ignore_eos=True))
+    _, updates = run_step(sched, token=EOS)
+    status = {u.request.request_id: u.request.status for u in updates}
+    assert status["eos"] == RequestStatus.FINISHED_STOPPED
+    assert status["min"] == RequestStatus.RUNNING
+    assert status["ign"] == RequestStatus.RUNNING
+    assert status["stop"] == RequestStatus.RUNNING
+    _, updates = run_step(sched, token=9)
+    status = {u.request.request_id: u.request.status for u in updates}
+    assert status == {
+        "min": RequestStatus.RUNNING,
+        "ign": RequestStatus.RUNNING,
+        "stop": RequestStatus.FINISHED_STOPPED,
+    }
+    assert updates[-1].request.stop_token_id == 9
+    _, updates = run_step(sched, token=EOS)
+    status = {u.request.request_id: u.request.status for u in updates}
+    assert status == {"min": RequestStatus.FINISHED_STOPPED, "ign": RequestStatus.FINISHED_LENGTH}
+    assert sched.kv.num_free_blocks == 16
+
+
+def test_token_budget_and_running_cap_keep_fcfs_order():
+    sched = make_scheduler(max_batched=10, max_num_seqs=2, max_model_len=10)
+    for rid, n in [("a", 6), ("b", 5), ("c", 1)]:
+        sched.add_request(make_request(rid, n))
+    out, _ = run_step(sched)
+    # b does not fit the remaining budget of 4; c must wait behind it (FCFS).
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 5)]
+    out, _ = run_step(sched)
+    # two running: the cap keeps c waiting
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert (len(sched.running), len(sched.waiting)) == (2, 1)
+
+
+def test_request_waits_for_kv_blocks_until_another_finishes():
+    # 4 blocks of 4 tokens; each request may need prompt 5 + max_tokens 3 = 8 tokens = 2 blocks.
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    for rid in "abc":
+        sched.add_request(make_request(rid, 5, max_tokens=3))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert sched.kv.get_block_table("a") == [0, 1] and sched.kv.get_block_table("b") == [2, 3]
+    assert (len(sched.running), len(sched.waiting)) == (2, 1)
+    run_step(sched)
+    out, _ = run_step(sched)  # a and b reach max_tokens=3 here and free their blocks
+    assert len(sched.running) == 0 and sched.kv.num_free_blocks == 4
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("c", [0, 1])]
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 9))
+    sched.add_request(make_request("w", 3))
+    run_step(sched)
+    assert sched.kv.num_free_blocks < 16
+    assert sched.abort_request("a") and sched.abort_request("w")
+    assert not sched.abort_request("a")
+    assert sched.kv.num_free_blocks == 16
+    assert not sched.has_unfinished_requests()
+
+
+def test_requests_that_can_never_run_are_refused():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt has 64 tokens"):
+        sched.add_request(make_request("long", 64))
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        sched.add_request(make_request("big", 10, max_tokens=10))
+    sched.add_request(make_request("ok", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("ok", 3))
+
+
+def test_context_limit_finishes_with_length():
+    sched = make_scheduler(max_model_len=8)
+    sched.add_request(make_request("a", 6, max_tokens=100))
+    run_step(sched)
+    _, updates = run_step(sched)
+    assert updates[0].request.status == RequestStatus.FINISHED_LENGTH
+    assert updates[0].request.num_tokens == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(
+            st.integers(1, 20),  # prompt length
+            st.integers(1, 12),  # max_tokens
+            st.integers(0, 3),  # steps before the next arrival
+            st.booleans(),  # sample EOS right away?
+            st.integers(-1, 30),  # abort after this many steps (-1: never)
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    num_blocks=st.integers(8, 24),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+)
+def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, block_size):
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, max_batched=48, max_model_len=40)
+    aborts: dict[int, list[str]] = {}
+    step = 0
+
+    def do_step():
+        nonlocal step
+        out = sched.schedule()
+        # invariant: every owned block is owned once and none is free at the same time
+        owned = [b for r in sched.running for b in sched.kv.get_block_table(r.request_id)]
+        assert len(owned) == len(set(owned))
+        assert len(owned) + sched.kv.num_free_blocks == num_blocks
+        for s in out.scheduled:
+            assert len(s.block_table) * block_size >= s.start_position + s.num_tokens
+        sampled = [
+            [EOS if (s.request.request_id.endswith("e") and s.request.num_output_tokens == 0) else 5]
+            if s.needs_sample else []
+            for s in out.scheduled
+        ]
+        sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled))
+        for rid in aborts.pop(step, []):
+            sched.abort_request(rid)
+        step += 1
+
+    for i, (prompt_len, max_tokens, gap, eos, abort_after) in enumerate(events):
+        rid = f"r{i}{'e' if eos else ''}"
+        request = make_request(rid, prompt_len, max_tokens=max_tokens)
+        try:
+            sched.add_request(request)
+        except ValueError:
+            continue  # larger than the whole cache: refused up front
+        if abort_after >= 0:
+            aborts.setdefault(step + abort_after, []).append(rid)
+        for _ in range(gap):
+            do_step()
+    for _ in range(2000):
+        if not sched.has_unfinished_requests():
+            break
+        do_step()
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks == num_blocks
+    assert sched.requests == {}
