@@ -54,18 +54,46 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        prompts = [apply_chat_template(tokenizer, conv) for conv in conversations]
-        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        encoded = [self._encode_chat(conv) for conv in conversations]
+        prompts = [prompt for prompt, _ in encoded]
+        ids = [token_ids for _, token_ids in encoded]
         return self.generate(prompts, sampling_params, prompt_token_ids=ids)
 
-    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text pieces of one prompt as they are generated."""
-        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.request_id == request_id and out.new_text:
-                    yield out.new_text
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[str]:
+        """Yield text pieces of one prompt as they are generated; they concatenate to
+        the completion. Closing the iterator early aborts the request."""
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams(), prompt_token_ids=ids)
+        is_finished = False
+        try:
+            while not is_finished:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped before request {request_id} finished")
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    is_finished = out.finished
+                    if out.new_text:
+                        yield out.new_text
+        finally:
+            if not is_finished:
+                self.engine.abort_request(request_id)
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """`stream` for one conversation, through the model's chat template (as `chat`)."""
+        prompt, ids = self._encode_chat(messages)
+        return self.stream(prompt, sampling_params, prompt_token_ids=ids)
+
+    def _encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        tokenizer = self.engine.tokenizer
+        prompt = apply_chat_template(tokenizer, messages)
+        # The template already holds any BOS; encoding must not add another.
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
     @staticmethod
     def _params_list(params, count: int) -> list[SamplingParams]:

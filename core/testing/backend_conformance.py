@@ -1,0 +1,287 @@
+"""Conformance check for hardware backends: does a `BaseBackend` keep the contract in
+:mod:`ember.backend`? Ember runs it against its own backends; a third party runs it
+against theirs::
+
+    from ember.testing import check_backend
+
+    def test_my_backend_conforms():
+        check_backend(MyBackend)
+
+`check_backend` raises AssertionError describing the first broken rule, and
+``unittest.SkipTest`` (which pytest reports as a skip) when the backend is not
+available on this machine.
+
+Attention is checked against a reference computed in float64 on the CPU, for a
+flat batch mixing every kind of request the scheduler produces: prefills from
+position 0, decodes (cached context, one new token), and extends (cached context,
+several new tokens), with shuffled, non-contiguous block tables (one longer than its
+context needs), GQA, and ``block_size`` 4 so that contexts cross block boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import unittest
+from dataclasses import dataclass
+
+import torch
+
+from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+NUM_KV_HEADS = 2
+NUM_HEADS = 2 * NUM_KV_HEADS
+NUM_LAYERS = 2
+
+# (cached tokens, new tokens) per request, in batch order: kinds interleaved.
+MIXED_BATCH: tuple[tuple[int, int], ...] = (
+    (0, 7),  # prefill, ends inside a block
+    (9, 1),  # decode
+    (5, 6),  # extend across two block boundaries
+    (4, 1),  # decode whose token opens a new block
+    (0, 1),  # one-token prefill
+    (15, 1),  # decode, last slot of a block
+    (8, 3),  # extend from a block boundary
+    (0, 8),  # prefill of exactly two blocks
+)
+
+# Tolerances against the float64 reference, per dtype of q/k/v and the cache.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+@dataclass(frozen=True)
+class RequestCase:
+    """One request of a test batch; tensors are CPU float64 ground truth."""
+
+    num_cached: int
+    block_table: list[int]
+    q: torch.Tensor  # (num_new, num_heads, head_dim)
+    k: torch.Tensor  # (num_cached + num_new, num_kv_heads, head_dim)
+    v: torch.Tensor
+
+    @property
+    def num_new(self) -> int:
+        return self.q.shape[0]
+
+    def slot(self, position: int) -> int:
+        return self.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+
+def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: int = 0) -> None:
+    """Check `backend_cls` against the `BaseBackend` contract; see the module docstring.
+
+    Attention runs in float32 and in every other dtype of ``supported_dtypes`` that
+    `TOLERANCES` knows, on ``backend.device``.
+    """
+    backend = check_backend_basics(backend_cls)
+    dtypes = [torch.float32] + [d for d in backend.supported_dtypes if d != torch.float32 and d in TOLERANCES]
+    for dtype in dtypes:
+        check_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed)
+
+
+def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
+    """Everything but attention numerics. Returns a constructed backend."""
+    assert isinstance(backend_cls, type) and issubclass(backend_cls, BaseBackend), (
+        f"{backend_cls!r} is not a subclass of ember.backend.BaseBackend"
+    )
+    name = getattr(backend_cls, "name", None)
+    assert isinstance(name, str) and name, f"{backend_cls.__name__}.name must be a non-empty string, got {name!r}"
+    assert isinstance(backend_cls.priority, int), f"{name}: priority must be an int, got {backend_cls.priority!r}"
+    try:
+        available = backend_cls.is_available()
+    except Exception as exc:  # the contract: is_available never raises
+        raise AssertionError(f"{name}: is_available() raised {exc!r}; it must return False instead") from exc
+    assert isinstance(available, bool), f"{name}: is_available() returned {available!r}, not a bool"
+    if not available:
+        raise unittest.SkipTest(f"backend {name!r} is not available on this machine")
+
+    backend = backend_cls()
+    device = backend.device
+    assert isinstance(device, torch.device), f"{name}: device is {device!r}, not a torch.device"
+    dtypes = tuple(backend.supported_dtypes)
+    assert dtypes and all(isinstance(d, torch.dtype) for d in dtypes), (
+        f"{name}: supported_dtypes must be torch dtypes, got {dtypes!r}"
+    )
+    assert torch.float32 in dtypes, f"{name}: supported_dtypes {dtypes} lacks torch.float32"
+
+    for model_dtype in (None, torch.float32, torch.bfloat16):
+        resolved = backend.resolve_dtype("auto", model_dtype)
+        assert resolved in dtypes, (
+            f"{name}: resolve_dtype('auto', {model_dtype}) gave {resolved!r}, not one of supported_dtypes {dtypes}"
+        )
+    resolved = backend.resolve_dtype("float32", None)
+    assert resolved == torch.float32, f"{name}: resolve_dtype('float32') gave {resolved!r}"
+    bogus = "float7_e9m3"
+    try:
+        backend.resolve_dtype(bogus, None)
+    except ValueError as exc:
+        assert bogus in str(exc), f"{name}: resolve_dtype({bogus!r}) raised ValueError not naming it: {exc}"
+    else:
+        raise AssertionError(f"{name}: resolve_dtype({bogus!r}) did not raise ValueError")
+    for dtype in dtypes:
+        compute = backend.compute_dtype(dtype)
+        assert isinstance(compute, torch.dtype), f"{name}: compute_dtype({dtype}) gave {compute!r}"
+
+    budget = backend.kv_cache_memory_bytes(100 << 20)
+    assert isinstance(budget, int) and budget > 0, f"{name}: kv_cache_memory_bytes gave {budget!r}, not an int > 0"
+    assert isinstance(backend.create_attention(), BaseAttention), f"{name}: create_attention() is not a BaseAttention"
+    assert isinstance(backend.describe(), str), f"{name}: describe() must return a str"
+    backend.synchronize()
+    return backend
+
+
+def check_attention(
+    backend: BaseBackend,
+    *,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = 64,
+    seed: int = 0,
+    batch: tuple[tuple[int, int], ...] = MIXED_BATCH,
+) -> None:
+    """Run one step of `batch` through two layers sharing one metadata object, then
+    check outputs against the reference and the caches slot by slot. Repeats with
+    the prefills alone and the decodes alone, which backends often route to
+    different kernels."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prefills = tuple(r for r in batch if r[0] == 0)
+    decodes = tuple(r for r in batch if r[0] > 0 and r[1] == 1)
+    for sub_batch in (batch, prefills, decodes):
+        if sub_batch:
+            _check_step(backend, sub_batch, dtype, head_dim, rng, gen)
+
+
+def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random) -> list[list[int]]:
+    """Disjoint tables drawn from shuffled block ids; the second request's table is one
+    block longer than its context needs (a backend must not touch that block)."""
+    block_ids = list(range(NUM_BLOCKS))
+    rng.shuffle(block_ids)
+    tables = []
+    for index, (num_cached, num_new) in enumerate(batch):
+        num_table_blocks = -(-(num_cached + num_new) // BLOCK_SIZE) + (1 if index == 1 else 0)
+        table, block_ids = block_ids[:num_table_blocks], block_ids[num_table_blocks:]
+        assert len(table) == num_table_blocks, "the test batch needs more than NUM_BLOCKS blocks"
+        tables.append(table)
+    return tables
+
+
+def _make_requests(
+    batch: tuple[tuple[int, int], ...], tables: list[list[int]], head_dim: int, gen: torch.Generator
+) -> list[RequestCase]:
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return [
+        RequestCase(
+            num_cached=num_cached,
+            block_table=table,
+            q=randn(num_new, NUM_HEADS, head_dim),
+            k=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
+            v=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
+        )
+        for (num_cached, num_new), table in zip(batch, tables)
+    ]
+
+
+def reference_attention(request: RequestCase, scale: float) -> torch.Tensor:
+    """Dense causal attention of one request's new queries over its whole context,
+    in float64: ``(num_new, num_heads, head_dim)``."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    k = request.k.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, context, D)
+    v = request.v.repeat_interleave(group, dim=1).transpose(0, 1)
+    q = request.q.transpose(0, 1)  # (heads, new, D)
+    scores = q @ k.transpose(1, 2) * scale  # (heads, new, context)
+    query_pos = torch.arange(request.num_cached, request.num_cached + request.num_new)[:, None]
+    key_pos = torch.arange(request.k.shape[0])[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(0, 1)
+
+
+def _check_step(
+    backend: BaseBackend,
+    batch: tuple[tuple[int, int], ...],
+    dtype: torch.dtype,
+    head_dim: int,
+    rng: random.Random,
+    gen: torch.Generator,
+) -> None:
+    device = backend.device
+    name = backend.name
+    scale = 1.0 / math.sqrt(head_dim)
+    atol, rtol = TOLERANCES[dtype]
+    attention = backend.create_attention()
+    tables = _block_tables(batch, rng)
+    # Every layer shares the batch's shape and block tables, with its own q/k/v and cache.
+    layers = [_make_requests(batch, tables, head_dim, gen) for _ in range(NUM_LAYERS)]
+    slices = [SequenceSlice(num_new, num_cached, list(table)) for (num_cached, num_new), table in zip(batch, tables)]
+
+    caches = []
+    for requests in layers:
+        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        for r in requests:  # the cached context, as earlier steps would have written it
+            for p in range(r.num_cached):
+                block, offset = divmod(r.slot(p), BLOCK_SIZE)
+                cache[0, block, offset] = r.k[p].to(dtype)
+                cache[1, block, offset] = r.v[p].to(dtype)
+        caches.append(cache)
+    before = [c.clone() for c in caches]
+    device_caches = [c.to(device) for c in caches]
+
+    metadata = attention.prepare(slices, BLOCK_SIZE, device)
+    outputs = []
+    for requests, kv_cache in zip(layers, device_caches):
+        q = torch.cat([r.q for r in requests]).to(dtype).to(device)
+        k = torch.cat([r.k[r.num_cached :] for r in requests]).to(dtype).to(device)
+        v = torch.cat([r.v[r.num_cached :] for r in requests]).to(dtype).to(device)
+        outputs.append(attention.forward(q, k, v, kv_cache, metadata, scale))
+    backend.synchronize()
+
+    where = f"{name}, dtype {dtype}, batch (cached, new) = {list(batch)}"
+    for layer, (requests, out, kv_cache, old) in enumerate(zip(layers, outputs, device_caches, before)):
+        num_tokens = sum(r.num_new for r in requests)
+        expected_shape = (num_tokens, NUM_HEADS, head_dim)
+        assert tuple(out.shape) == expected_shape, f"{where}: output shape {tuple(out.shape)}, expected {expected_shape}"
+        assert out.dtype == dtype, f"{where}: output dtype {out.dtype}, expected the dtype of q, {dtype}"
+        assert out.device.type == device.type, f"{where}: output on {out.device}, expected {device}"
+        out = out.cpu().double()
+        row = 0
+        for index, r in enumerate(requests):
+            # The reference sees what the backend sees: inputs rounded to `dtype`.
+            rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(), r.v.to(dtype).double())
+            expected = reference_attention(rounded, scale)
+            got = out[row : row + r.num_new]
+            if not torch.allclose(got, expected, atol=atol, rtol=rtol):
+                error = (got - expected).abs().max().item()
+                raise AssertionError(
+                    f"{where}: layer {layer}, request {index} (cached {r.num_cached}, new {r.num_new}, "
+                    f"block table {r.block_table}): attention differs from the reference by up to {error:.3g}"
+                )
+            row += r.num_new
+        _check_cache(kv_cache.cpu(), old, requests, dtype, f"{where}: layer {layer}")
+
+
+def _check_cache(
+    cache: torch.Tensor, before: torch.Tensor, requests: list[RequestCase], dtype: torch.dtype, where: str
+) -> None:
+    """This step's k/v sit at their slots; every other slot is bit-for-bit unchanged."""
+    flat = cache.view(2, NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, -1)
+    expected = before.view(2, NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, -1).clone()
+    for index, r in enumerate(requests):
+        for p in range(r.num_cached, r.num_cached + r.num_new):
+            slot = r.slot(p)
+            expected[0, slot] = r.k[p].to(dtype)
+            expected[1, slot] = r.v[p].to(dtype)
+            if not (torch.equal(flat[0, slot], expected[0, slot]) and torch.equal(flat[1, slot], expected[1, slot])):
+                raise AssertionError(
+                    f"{where}: request {index} position {p} was not written to its slot {slot} "
+                    f"(block {r.block_table[p // BLOCK_SIZE]}, offset {p % BLOCK_SIZE})"
+                )
+    changed = (flat != expected).flatten(2).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+    if changed:
+        raise AssertionError(f"{where}: KV cache slots {changed[:10]} changed that this step's tokens do not own")

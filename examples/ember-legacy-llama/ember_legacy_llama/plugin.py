@@ -1,0 +1,23 @@
+"""Map the architecture name of early converted Llama checkpoints to Ember's Llama.
+
+Checkpoints converted with the first Hugging Face Llama scripts carry
+``"architectures": ["LLaMAForCausalLM"]`` in config.json. Their weights and config
+fields are those of ``LlamaForCausalLM`` (vLLM maps both names to one class), so
+registering the old name for Ember's own model class is all it takes.
+
+Keep this module cheap to import: Ember imports it whenever it builds its plugin
+manager (``ember plugins`` included).
+"""
+
+from __future__ import annotations
+
+from ember.models.llama import LlamaForCausalLM
+from ember.plugin import Registry, hookimpl
+
+LEGACY_ARCHITECTURES = ("LLaMAForCausalLM",)
+
+
+@hookimpl
+def ember_register_model_architectures(registry: Registry) -> None:
+    for name in LEGACY_ARCHITECTURES:
+        registry.register(name, LlamaForCausalLM)

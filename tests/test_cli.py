@@ -1,0 +1,270 @@
+"""The `ember` command line, run in-process through `main([...])` on a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ember
+from ember import SamplingParams
+from ember.api.cli import main
+from ember.hardware.cpu import CPUBackend
+
+GREEDY = ["--temperature", "0", "--max-tokens", "6"]
+ENV_NAMES = (
+    "EMBER_MODEL_ID", "EMBER_REVISION", "EMBER_DTYPE", "EMBER_MAX_TOKENS", "EMBER_TEMPERATURE",
+    "EMBER_TOP_P", "EMBER_TOP_K", "EMBER_SEED", "EMBER_CHAT", "EMBER_DISABLE_PLUGIN", "EMBER_PLUGIN",
+    "EMBER_LOG_LEVEL", "EMBER_PLUGINS_JSON",
+)
+
+
+@pytest.fixture(autouse=True)
+def small_kv_cache_and_clean_env(monkeypatch):
+    # The CPU backend's default KV budget is up to 4 GiB: far more than a tiny model needs.
+    monkeypatch.setattr(CPUBackend, "kv_cache_memory_bytes", lambda self, model_bytes: 1 << 20)
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def reference_llm(tiny_llama_dir):
+    return ember.LLM(str(tiny_llama_dir), num_kv_blocks=64)
+
+
+def reference_text(llm, prompt: str, max_tokens: int = 6) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0].text
+
+
+class RecordingStdout:
+    """Records writes and flushes in order, to check that output is streamed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def write(self, text: str) -> int:
+        self.events.append(("write", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.events.append(("flush", ""))
+
+    @property
+    def text(self) -> str:
+        return "".join(text for kind, text in self.events if kind == "write")
+
+
+# --- generate --------------------------------------------------------------------------------
+
+
+def test_generate_streams_the_greedy_completion(tiny_llama_dir, reference_llm, monkeypatch, capsys):
+    out = RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["generate", "hello world", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    expected = reference_text(reference_llm, "hello world")
+    assert expected, "the tiny model should produce text"
+    assert out.text == expected + "\n"
+    # piece by piece, each flushed as it came, newline last
+    writes = [i for i, (kind, _) in enumerate(out.events) if kind == "write"]
+    assert len(writes) >= 3
+    assert all(out.events[i + 1][0] == "flush" for i in writes)
+    assert out.events[writes[-1]] == ("write", "\n")
+
+
+def test_generate_chat_uses_the_chat_template(tiny_llama_dir, reference_llm, capsys):
+    assert main(["generate", "hi there", "--chat", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    chat = reference_llm.chat([{"role": "user", "content": "hi there"}], SamplingParams(temperature=0, max_tokens=6))
+    expected = chat[0].outputs[0].text
+    assert capsys.readouterr().out == expected + "\n"
+    assert expected != reference_text(reference_llm, "hi there")
+
+
+def test_generate_options_default_from_environment(tiny_llama_dir, reference_llm, monkeypatch, capsys):
+    monkeypatch.setenv("EMBER_MODEL_ID", str(tiny_llama_dir))
+    monkeypatch.setenv("EMBER_TEMPERATURE", "0")
+    monkeypatch.setenv("EMBER_MAX_TOKENS", "3")
+    assert main(["generate", "hello"]) == 0
+    assert capsys.readouterr().out == reference_text(reference_llm, "hello", 3) + "\n"
+    # a flag wins over its variable
+    assert main(["generate", "hello", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == reference_text(reference_llm, "hello", 5) + "\n"
+    monkeypatch.setenv("EMBER_CHAT", "1")
+    assert main(["generate", "hello"]) == 0
+    chat = reference_llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=3))
+    assert capsys.readouterr().out == chat[0].outputs[0].text + "\n"
+
+
+def test_generate_seeded_sampling_is_reproducible(tiny_llama_dir, capsys):
+    args = ["generate", "hello", "--model-id", str(tiny_llama_dir), "--max-tokens", "8", "--seed", "7",
+            "--top-k", "50", "--top-p", "0.9", "--temperature", "1.5"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_generate_bfloat16(tiny_llama_dir, capsys):
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), "--dtype", "bfloat16", *GREEDY]) == 0
+    assert len(capsys.readouterr().out) > 1
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+        (["--temperature", "-1"], "temperature must be a number >= 0"),
+    ],
+)
+def test_generate_bad_sampling_exits_2_before_loading(extra, message, capsys):
+    # The model id does not exist: the sampling error must come first.
+    assert main(["generate", "hello", "--model-id", "/nonexistent/model", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_generate_bad_environment_variable_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("EMBER_TOP_K", "many")
+    assert main(["generate", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "ember: error: environment variable EMBER_TOP_K='many' is invalid" in err
+    monkeypatch.delenv("EMBER_TOP_K")
+    monkeypatch.setenv("EMBER_DTYPE", "float16")
+    assert main(["generate", "hello"]) == 2
+    assert "EMBER_DTYPE='float16'" in capsys.readouterr().err
+
+
+def test_generate_empty_prompt_and_missing_model(tiny_llama_dir, capsys):
+    assert main(["generate", "", "--model-id", str(tiny_llama_dir)]) == 2
+    assert "ember: error: prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "hello", "--model-id", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert "ember: error: Could not find model '/nonexistent/model'" in err and "Traceback" not in err
+
+
+def test_generate_bad_flag_is_an_argparse_usage_error(capsys):
+    assert main(["generate", "hello", "--dtype", "float16"]) == 2
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+    assert main(["generate"]) == 2
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+
+
+def test_generate_required_plugin_errors_name_it(tiny_llama_dir, capsys):
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), "--plugin", "no_such_plugin"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: ") and "no_such_plugin" in err
+    assert main(["generate", "hello", "--plugin", "cpu", "--disable-plugin", "cpu"]) == 1
+    assert "['cpu'] are both required and disabled" in capsys.readouterr().err
+
+
+def test_generate_disabled_plugin_reaches_the_engine(tiny_llama_dir, capsys, monkeypatch):
+    monkeypatch.setenv("EMBER_DISABLE_PLUGIN", "llama")
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir)]) == 2
+    assert "model architecture ['LlamaForCausalLM'] is not supported" in capsys.readouterr().err
+    # the flag replaces the variable's list
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), "--disable-plugin", "nothing", *GREEDY]) == 0
+
+
+def test_log_level_controls_ember_logs_on_stderr(tiny_llama_dir, capsys):
+    logger = logging.getLogger("ember")
+    level, handlers = logger.level, list(logger.handlers)
+    assert main(["generate", "hi", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    assert "INFO ember.model_loader: loaded LlamaForCausalLM" in capsys.readouterr().err
+    assert main(["--log-level", "warning", "generate", "hi", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    assert "loaded LlamaForCausalLM" not in capsys.readouterr().err
+    assert main(["generate", "hi", "--log-level", "DEBUG", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    assert "INFO ember.model_loader" in capsys.readouterr().err
+    assert (logger.level, logger.handlers) == (level, handlers)  # main leaves logging as it found it
+
+
+# --- download --------------------------------------------------------------------------------
+
+
+def test_download_prints_the_local_path(tiny_llama_dir, capsys, monkeypatch):
+    assert main(["download", str(tiny_llama_dir)]) == 0
+    assert capsys.readouterr().out == f"{tiny_llama_dir}\n"
+    monkeypatch.setenv("EMBER_MODEL_ID", str(tiny_llama_dir))
+    assert main(["download"]) == 0
+    assert capsys.readouterr().out == f"{tiny_llama_dir}\n"
+
+
+def test_download_failure_exits_1(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["download", "nobody/no-such-model", "--revision", "v1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("ember: error: Could not find model 'nobody/no-such-model'")
+    assert "Traceback" not in captured.err
+
+
+# --- plugins ---------------------------------------------------------------------------------
+
+
+def test_plugins_lists_plugins_and_registries(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    cpu = next(line.split() for line in lines if line.split()[:1] == ["cpu"])
+    assert cpu == ["cpu", "ember-serve", ember.__version__, "loaded", "ember.hardware.cpu"]
+    assert any(line.split() == ["backends", "cpu", "cpu", "ember.hardware.cpu.CPUBackend"] for line in lines)
+    assert any(
+        line.split() == ["model_architectures", "LlamaForCausalLM", "llama", "ember.models.llama.LlamaForCausalLM"]
+        for line in lines
+    )
+    assert any(line.split() == ["speculators", "(none)"] for line in lines)
+
+
+def test_plugins_json_and_disable(capsys, monkeypatch):
+    assert main(["plugins", "--json", "--disable-plugin", "llama"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["entry_point_group"] == "ember"
+    by_name = {p["name"]: p for p in data["plugins"]}
+    assert by_name["llama"]["status"] == "blocked"
+    assert by_name["cpu"] == {
+        "name": "cpu", "distribution": "ember-serve", "version": ember.__version__,
+        "status": "loaded", "value": "ember.hardware.cpu",
+    }
+    assert set(data["registries"]) == {
+        "backends", "model_architectures", "logits_processors", "quantizers", "speculators", "grammar_backends",
+    }
+    assert {"name": "cpu", "plugin": "cpu", "implementation": "ember.hardware.cpu.CPUBackend"} in data["registries"]["backends"]
+    assert "LlamaForCausalLM" not in [e["name"] for e in data["registries"]["model_architectures"]]
+
+    monkeypatch.setenv("EMBER_DISABLE_PLUGIN", "cpu, llama")
+    assert main(["plugins", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {p["name"]: p["status"] for p in data["plugins"]}.items() >= {"cpu": "blocked", "llama": "blocked"}.items()
+    assert data["registries"]["backends"] == []
+
+
+def test_installed_console_script_runs():
+    script = Path(sys.executable).with_name("ember")
+    command = str(script) if script.exists() else shutil.which("ember")
+    assert command, "the `ember` console script is not installed: pip install -e ."
+    result = subprocess.run([command, "plugins"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "entry-point group 'ember'" in result.stdout
+    assert any(line.split()[:2] == ["cpu", "ember-serve"] for line in result.stdout.splitlines())
+
+
+# --- LLM.stream, which `generate` is built on ---------------------------------------------------
+
+
+def test_stream_takes_token_ids_and_aborts_when_closed_early(reference_llm):
+    llm = reference_llm
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ids = llm.get_tokenizer().encode("hello world")
+    assert "".join(llm.stream(prompt_token_ids=ids, sampling_params=params)) == reference_text(llm, "hello world")
+    pieces = llm.stream("hello world", SamplingParams(temperature=0, max_tokens=50))
+    next(pieces)
+    assert llm.engine.has_unfinished_requests()
+    pieces.close()
+    assert not llm.engine.has_unfinished_requests()
