@@ -1,0 +1,388 @@
+"""OpenAI routes: /v1/completions and /v1/chat/completions.
+
+One model is served, so `model` is echoed back whatever it names (as TGI does).
+A list prompt in /v1/completions runs as one engine request per prompt, all
+concurrently, and takes one slot of --max-concurrent-requests per prompt: a list
+of 8 prompts weighs on the server like 8 clients, and is refused (429) as a whole
+when that many slots are not free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
+from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
+from ember.api.openapi import documented
+from ember.api.schemas import openai as oa
+from ember.api.service import GenerationService
+from ember.api.sse import EventStreamResponse, sse_event
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.tokenizer import apply_chat_template
+
+TOOLS_ISSUE = "the tool-calling issue"
+JSON_ISSUE = "the grammar-guided JSON issue"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One engine request behind one choice of the answer."""
+
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # text put before the generated text (`echo`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """What every object of one answer shares."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    include_usage: bool
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        payload = {
+            "id": self.id, "object": self.object, "created": self.created, "model": self.model,
+            "system_fingerprint": self.system_fingerprint, "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = usage
+        return sse_event(payload)
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.outputs[0].finish_reason == "length" else "stop"
+
+
+def usage(jobs: list[_Job], outs: list[RequestOutput]) -> oa.Usage:
+    num_prompt = sum(len(job.prompt_ids) for job in jobs)
+    num_completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
+
+
+def check_not_yet(body: oa.SamplingFields) -> None:
+    """Fields accepted only at their neutral value until the issue that implements them."""
+    if body.n != 1:
+        raise not_available("n", "issue 4 (n/best_of)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0.0):
+            raise not_available(name, "issue 4 (penalties)")
+    if body.logit_bias:
+        raise not_available("logit_bias", "issue 4 (logit_bias)")
+    if body.stream_options is not None and not body.stream:
+        raise validation_error("`stream_options` is only allowed with `stream: true`", "stream_options")
+
+
+class OpenAIRoutes:
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+        self.system_fingerprint = f"ember-{service.info.version}-{service.info.backend}"
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+
+    # -- shared -----------------------------------------------------------------------
+    def _params(self, body: oa.SamplingFields, max_tokens: int) -> SamplingParams:
+        seed = body.seed
+        if seed is not None and seed < 0:
+            seed += 2**64  # OpenAI seeds are signed 64-bit; same bits, same stream
+        try:
+            return SamplingParams(
+                temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens, seed=seed,
+                stop=tuple(body.stop_list),
+            )
+        except ValueError as exc:
+            raise validation_error(str(exc)) from None
+
+    def _check_stop(self, body: oa.SamplingFields) -> None:
+        stop = body.stop_list
+        self.service.check_stop(stop, "stop")
+        if any(not text for text in stop):
+            raise validation_error("`stop` strings must be non-empty", "stop")
+
+    def _max_tokens(self, num_input: int, requested: int | None, input_name: str, param: str) -> int:
+        """The prompt's limits (TGI's), then `requested` against the room it leaves."""
+        room = self.service.check_lengths(num_input, None, input_name=input_name)
+        if requested is None:
+            return room
+        if requested > room:
+            total = self.service.limits.max_total_tokens
+            raise validation_error(
+                f"`{input_name}` tokens + `{param}` must be <= {total}. "
+                f"Given: {num_input} `{input_name}` tokens and {requested} `{param}`",
+                param,
+            )
+        return requested
+
+    def _admit(self, num_jobs: int) -> None:
+        """Take one slot per job, or none (429)."""
+        taken = 0
+        try:
+            for _ in range(num_jobs):
+                self.service.acquire()
+                taken += 1
+        except APIError:
+            self._release(taken)
+            raise
+
+    def _release(self, num_jobs: int) -> None:
+        for _ in range(num_jobs):
+            self.service.release()
+
+    def _reply(self, prefix: str, object_name: str, body: oa.SamplingFields) -> _Reply:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _Reply(f"{prefix}-{uuid.uuid4().hex}", object_name, int(time.time()), body.model,
+                      self.system_fingerprint, include_usage)
+
+    async def _outputs(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every job's outputs as they come, tagged with the job's index. Closing this
+        iterator (or an error in one job) cancels the others, which aborts them."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params)) as outs:
+                    async for out in outs:
+                        queue.put_nowait((job.index, out))
+            except Exception as exc:
+                queue.put_nowait((job.index, exc))
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        try:
+            num_running = len(jobs)
+            while num_running:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+                if item.finished:
+                    num_running -= 1
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _final_outputs(self, jobs: list[_Job]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(jobs)
+        async with aclosing(self._outputs(jobs)) as outs:
+            async for index, out in outs:
+                if out.finished:
+                    finals[index] = out
+        assert all(out is not None for out in finals)
+        return finals  # type: ignore[return-value]
+
+    async def _run(self, request: Request, jobs: list[_Job]) -> list[RequestOutput] | None:
+        """Run to the end; None if the client left (its requests are then aborted)."""
+        self._admit(len(jobs))
+        try:
+            return await unless_disconnected(request, self._final_outputs(jobs))
+        except ClientDisconnected:
+            return None
+        finally:
+            self._release(len(jobs))
+
+    def _stream(self, events: AsyncIterator[bytes], num_jobs: int) -> Response:
+        self._admit(num_jobs)
+        return EventStreamResponse(events, on_close=lambda: self._release(num_jobs))
+
+    async def _guarded(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Once the stream began, a failure is an error event, then a clean end."""
+        try:
+            async with aclosing(events) as inner:
+                async for event in inner:
+                    yield event
+        except APIError as exc:
+            yield sse_error_event(exc, Flavor.OPENAI)
+        except Exception as exc:
+            yield sse_error_event(APIError(500, f"generation failed: {exc!r}", "generation"), Flavor.OPENAI)
+
+    # -- /v1/completions ------------------------------------------------------------------
+    @documented(summary="Completions (OpenAI)", tag="OpenAI", request=oa.CompletionRequest,
+                response=oa.CompletionResponse, streams=True, error_model=oa.ErrorResponse)
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = parse_model(oa.CompletionRequest, await read_json(request, self.service.limits.payload_limit))
+            jobs = self._completion_jobs(body)
+            reply = self._reply("cmpl", "text_completion", body)
+            if body.stream:
+                return self._stream(self._guarded(self._completion_events(reply, jobs)), len(jobs))
+            outs = await self._run(request, jobs)
+        except APIError as exc:
+            return error_response(exc, Flavor.OPENAI)
+        if outs is None:
+            return Response(status_code=499)
+        response = oa.CompletionResponse(
+            id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
+            choices=[
+                oa.CompletionChoice(index=job.index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out))
+                for job, out in zip(jobs, outs)
+            ],
+            usage=usage(jobs, outs),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _completion_jobs(self, body: oa.CompletionRequest) -> list[_Job]:
+        check_not_yet(body)
+        if body.best_of not in (None, 1):
+            raise not_available("best_of", "issue 4 (n/best_of)")
+        if body.logprobs is not None:
+            raise not_available("logprobs", "issue 4 (logprobs)")
+        if body.suffix:
+            raise not_available("suffix", "issue 4 (suffix)")
+        self._check_stop(body)
+        prompts = self._prompts(body.prompt)
+        if len(prompts) > self.service.limits.max_concurrent_requests:
+            raise validation_error(
+                f"`prompt` holds {len(prompts)} prompts; at most --max-concurrent-requests "
+                f"({self.service.limits.max_concurrent_requests}) can run at once", "prompt",
+            )
+        jobs = []
+        for index, (text, ids, name) in enumerate(prompts):
+            max_tokens = self._max_tokens(len(ids), body.max_tokens, name, "max_tokens")
+            params = self._params(body, max_tokens)
+            self.service.validate(ids, params)
+            echo = "" if not body.echo else text if text is not None else self.service.tokenizer.decode(ids)
+            jobs.append(_Job(index, text, ids, params, echo))
+        return jobs
+
+    def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:
+        """(text, token ids, name for errors) of each prompt."""
+        is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        items = prompt if is_batch else [prompt]
+        vocab = self.service.engine.engine.hf_config.vocab_size
+        prompts = []
+        for i, item in enumerate(items):
+            name = f"prompt[{i}]" if is_batch else "prompt"
+            if not item:
+                raise validation_error(f"`{name}` is empty: give a non-empty prompt", name)
+            if isinstance(item, str):
+                prompts.append((item, self.service.encode(item), name))
+                continue
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise validation_error(f"`{name}` token id {bad} is outside the vocabulary [0, {vocab})", name)
+            prompts.append((None, list(item), name))
+        return prompts
+
+    async def _completion_events(self, reply: _Reply, jobs: list[_Job]) -> AsyncIterator[bytes]:
+        for job in jobs:
+            if job.echo:
+                yield reply.chunk([{"index": job.index, "text": job.echo, "logprobs": None, "finish_reason": None}])
+        finals: list[RequestOutput] = []
+        async with aclosing(self._outputs(jobs)) as outs:
+            async for index, out in outs:
+                if out.new_text or out.finished:
+                    reason = finish_reason(out) if out.finished else None
+                    yield reply.chunk([{"index": index, "text": out.new_text, "logprobs": None, "finish_reason": reason}])
+                if out.finished:
+                    finals.append(out)
+        if reply.include_usage:
+            yield reply.chunk([], usage(jobs, finals).model_dump())
+        yield DONE_EVENT
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+    @documented(summary="Chat completions (OpenAI)", tag="OpenAI", request=oa.ChatCompletionRequest,
+                response=oa.ChatCompletionResponse, streams=True, error_model=oa.ErrorResponse)
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = parse_model(oa.ChatCompletionRequest, await read_json(request, self.service.limits.payload_limit))
+            job = self._chat_job(body)
+            reply = self._reply("chatcmpl", "chat.completion", body)
+            if body.stream:
+                chunk_reply = _Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,
+                                     reply.system_fingerprint, reply.include_usage)
+                return self._stream(self._guarded(self._chat_events(chunk_reply, job)), 1)
+            outs = await self._run(request, [job])
+        except APIError as exc:
+            return error_response(exc, Flavor.OPENAI)
+        if outs is None:
+            return Response(status_code=499)
+        out = outs[0]
+        response = oa.ChatCompletionResponse(
+            id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
+            choices=[oa.ChatChoice(index=0, message=oa.AssistantMessage(content=out.outputs[0].text),
+                                   finish_reason=finish_reason(out))],
+            usage=usage([job], outs),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _chat_job(self, body: oa.ChatCompletionRequest) -> _Job:
+        check_not_yet(body)
+        if body.logprobs:
+            raise not_available("logprobs", "issue 4 (logprobs)")
+        if body.top_logprobs:
+            raise not_available("top_logprobs", "issue 4 (logprobs)")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise not_available("response_format", JSON_ISSUE)
+        if body.tools:
+            raise not_available("tools", TOOLS_ISSUE)
+        if body.tool_choice not in (None, "none", "auto"):
+            raise not_available("tool_choice", TOOLS_ISSUE)
+        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+            raise validation_error(
+                f"`max_tokens` ({body.max_tokens}) and `max_completion_tokens` ({body.max_completion_tokens}) "
+                "disagree; send one of them", "max_completion_tokens",
+            )
+        self._check_stop(body)
+        prompt = self._chat_prompt(body.messages)
+        ids = self.service.encode(prompt, add_special_tokens=False)
+        param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self._params(body, self._max_tokens(len(ids), requested, "messages", param))
+        self.service.validate(ids, params)
+        return _Job(0, prompt, ids, params)
+
+    def _chat_prompt(self, messages: list[oa.ChatMessage]) -> str:
+        plain = []
+        for i, message in enumerate(messages):
+            content = message.content
+            if not isinstance(content, str):
+                for k, part in enumerate(content):
+                    where = f"messages[{i}].content[{k}]"
+                    if part.type != "text":
+                        raise validation_error(
+                            f"`{where}` has type {part.type!r}: only \"text\" parts are supported", f"{where}.type"
+                        )
+                    if part.text is None:
+                        raise validation_error(f"`{where}` is a text part without `text`", f"{where}.text")
+                content = "\n".join(part.text for part in content)  # type: ignore[misc]
+            role = "system" if message.role == "developer" else message.role
+            plain.append({"role": role, "content": content})
+        try:
+            return apply_chat_template(self.service.tokenizer, plain)
+        except (ValueError, TemplateError) as exc:
+            raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
+
+    async def _chat_events(self, reply: _Reply, job: _Job) -> AsyncIterator[bytes]:
+        yield reply.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        finals: list[RequestOutput] = []
+        async with aclosing(self._outputs([job])) as outs:
+            async for _, out in outs:
+                if out.new_text:
+                    yield reply.chunk([{"index": 0, "delta": {"content": out.new_text}, "logprobs": None, "finish_reason": None}])
+                if out.finished:
+                    finals.append(out)
+                    yield reply.chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}])
+        if reply.include_usage:
+            yield reply.chunk([], usage([job], finals).model_dump())
+        yield DONE_EVENT

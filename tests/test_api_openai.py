@@ -1,0 +1,383 @@
+"""The OpenAI routes, end to end: a real uvicorn server, the official `openai` SDK, raw
+httpx for the SSE lines and the error bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_utils import running_server  # noqa: E402
+
+from ember.api.errors import APIError  # noqa: E402
+
+MAX_TOTAL_TOKENS = 128
+PROMPT = "hello world"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_total_tokens=MAX_TOTAL_TOKENS, served_model_name="tiny") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def wait_until_idle(service, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while service.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return service.num_in_flight
+
+
+def greedy_completion(client, prompt=PROMPT, **kwargs):
+    return client.completions.create(model="any-name", prompt=prompt, temperature=0, **kwargs)
+
+
+def streamed_text(stream) -> tuple[str, list]:
+    chunks = list(stream)
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+# -- /v1/completions -----------------------------------------------------------------------
+def test_completion_shape_and_usage(client, server):
+    r = greedy_completion(client, max_tokens=7)
+    assert r.id.startswith("cmpl-") and len(r.id) > 10
+    assert r.object == "text_completion"
+    assert r.model == "any-name"  # any model name is accepted and echoed
+    assert r.system_fingerprint.startswith("ember-")
+    assert isinstance(r.created, int)
+    [choice] = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    num_prompt = len(server.app.state.service.encode(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (num_prompt, 7, num_prompt + 7)
+
+
+def test_completion_default_max_tokens_is_16(client):
+    assert greedy_completion(client).usage.completion_tokens == 16
+
+
+def test_null_means_the_default(http):
+    nulls = {"stop": None, "seed": None, "n": None, "temperature": None, "max_tokens": None, "user": None,
+             "stream_options": None, "logprobs": None}
+    r = http.post("/v1/completions", json={**COMPLETION, **nulls, "echo": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    r = http.post("/v1/chat/completions", json={**CHAT, **nulls, "max_tokens": 3, "response_format": None, "tools": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = http.post("/v1/completions", json={**COMPLETION, "model": None})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "model"
+
+
+def test_completion_stream_concatenates_to_the_text(client):
+    full = greedy_completion(client, max_tokens=12).choices[0].text
+    text, chunks = streamed_text(greedy_completion(client, max_tokens=12, stream=True))
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and all(c.usage is None for c in chunks)
+
+
+def test_completion_stream_include_usage(client):
+    chunks = list(greedy_completion(client, max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+    assert body and all(c.usage is None for c in body)
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    full = greedy_completion(client, max_tokens=24).choices[0].text
+    start = next(i for i in range(3, len(full) - 2) if "\ufffd" not in full[i : i + 2])
+    stop = full[start : start + 2]
+    expected = full[: full.find(stop)]
+    r = greedy_completion(client, max_tokens=24, stop=[stop])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    text, chunks = streamed_text(greedy_completion(client, max_tokens=24, stop=stop, stream=True))
+    assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_list_prompts_give_one_choice_each_in_order(client, server):
+    prompts = ["hello", "abc", "hello world"]
+    singles = [greedy_completion(client, prompt=p, max_tokens=6).choices[0].text for p in prompts]
+    r = greedy_completion(client, prompt=prompts, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == singles
+    num_prompt = sum(len(server.app.state.service.encode(p)) for p in prompts)
+    assert r.usage.prompt_tokens == num_prompt and r.usage.completion_tokens == 18
+
+    stream = greedy_completion(client, prompt=prompts, max_tokens=6, stream=True, stream_options={"include_usage": True})
+    texts = ["", "", ""]
+    reasons = [None, None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == 18
+    assert texts == singles and reasons == ["length"] * 3
+
+
+def test_token_id_prompts(client, server):
+    ids = server.app.state.service.encode(PROMPT)
+    expected = greedy_completion(client, max_tokens=5).choices[0].text
+    assert greedy_completion(client, prompt=ids, max_tokens=5).choices[0].text == expected
+    r = greedy_completion(client, prompt=[ids, ids], max_tokens=5)
+    assert [c.text for c in r.choices] == [expected, expected]
+
+
+def test_echo_prepends_the_prompt(client, server):
+    plain = greedy_completion(client, max_tokens=5).choices[0].text
+    assert greedy_completion(client, max_tokens=5, echo=True).choices[0].text == PROMPT + plain
+    text, _ = streamed_text(greedy_completion(client, max_tokens=5, echo=True, stream=True))
+    assert text == PROMPT + plain
+    ids = server.app.state.service.encode(PROMPT)
+    assert greedy_completion(client, prompt=ids, max_tokens=5, echo=True).choices[0].text == PROMPT + plain
+
+
+def test_same_seed_same_text(client):
+    def sample(seed):
+        return client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(-5) == sample(-5)  # OpenAI seeds are signed
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------
+def test_chat_completion(client, server):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_completion_tokens=9)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == "tiny"
+    [choice] = r.choices
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    service = server.app.state.service
+    prompt = service.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(service.encode(prompt, add_special_tokens=False))
+    assert r.usage.completion_tokens == 9
+
+    again = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=9)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_chat_default_max_tokens_fills_the_context(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0)
+    assert r.usage.total_tokens == MAX_TOTAL_TOKENS and r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream(client):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10)
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_text_parts_and_developer_role(client):
+    as_parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+    ]
+    a = client.chat.completions.create(model="m", messages=as_parts, temperature=0, max_tokens=6)
+    b = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=6)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_chat_stop_string(client):
+    full = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    r = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=24, stop=stop)
+    assert r.choices[0].message.content == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+# -- raw SSE ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 4, "stream": True}),
+    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "max_tokens": 4, "stream": True}),
+])
+def test_sse_lines_end_with_done(http, path, body):
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("\n\n")
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert payloads and all("usage" not in p for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- errors -------------------------------------------------------------------------------------
+COMPLETION = {"model": "m", "prompt": PROMPT}
+CHAT = {"model": "m", "messages": MESSAGES}
+
+ERRORS = [
+    # (name, path, body, status, param)
+    ("missing model", "/v1/completions", {"prompt": PROMPT}, 422, "model"),
+    ("missing prompt", "/v1/completions", {"model": "m"}, 422, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": "m"}, 422, "messages"),
+    ("prompt wrong type", "/v1/completions", {**COMPLETION, "prompt": 5}, 422, "prompt"),
+    ("mixed prompt list", "/v1/completions", {**COMPLETION, "prompt": [1, "a"]}, 422, "prompt"),
+    ("max_tokens as string", "/v1/completions", {**COMPLETION, "max_tokens": "5"}, 422, "max_tokens"),
+    ("messages wrong type", "/v1/chat/completions", {"model": "m", "messages": "hi"}, 422, "messages"),
+    ("content wrong type", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]}, 422,
+     "messages.0.content"),
+    ("unknown role", "/v1/chat/completions", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, 422,
+     "messages.0.role"),
+    ("empty messages", "/v1/chat/completions", {"model": "m", "messages": []}, 422, "messages"),
+    ("temperature 3", "/v1/completions", {**COMPLETION, "temperature": 3}, 422, "temperature"),
+    ("top_p 0", "/v1/chat/completions", {**CHAT, "top_p": 0}, 422, "top_p"),
+    ("max_tokens 0", "/v1/completions", {**COMPLETION, "max_tokens": 0}, 422, "max_tokens"),
+    ("max_tokens 10**12", "/v1/completions", {**COMPLETION, "max_tokens": 10**12}, 422, "max_tokens"),
+    ("chat max_tokens 10**12", "/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, 422, "max_tokens"),
+    ("max_completion_tokens too many", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 500}, 422,
+     "max_completion_tokens"),
+    ("n=2", "/v1/completions", {**COMPLETION, "n": 2}, 422, "n"),
+    ("chat n=2", "/v1/chat/completions", {**CHAT, "n": 2}, 422, "n"),
+    ("best_of", "/v1/completions", {**COMPLETION, "best_of": 2}, 422, "best_of"),
+    ("completion logprobs", "/v1/completions", {**COMPLETION, "logprobs": 1}, 422, "logprobs"),
+    ("chat logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, 422, "logprobs"),
+    ("presence_penalty", "/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, 422, "presence_penalty"),
+    ("logit_bias", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1.0}}, 422, "logit_bias"),
+    ("suffix", "/v1/completions", {**COMPLETION, "suffix": "end"}, 422, "suffix"),
+    ("json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format"),
+    ("tools", "/v1/chat/completions",
+     {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 422, "tools"),
+    ("unknown field", "/v1/completions", {**COMPLETION, "foo": 1}, 422, "foo"),
+    ("chat unknown field", "/v1/chat/completions", {**CHAT, "functions": []}, 422, "functions"),
+    ("empty prompt", "/v1/completions", {**COMPLETION, "prompt": ""}, 422, "prompt"),
+    ("empty prompt list", "/v1/completions", {**COMPLETION, "prompt": []}, 422, "prompt"),
+    ("empty prompt in a list", "/v1/completions", {**COMPLETION, "prompt": ["a", ""]}, 422, "prompt[1]"),
+    ("prompt too long", "/v1/completions", {**COMPLETION, "prompt": "x" * 500}, 422, "prompt"),
+    ("bad token id", "/v1/completions", {**COMPLETION, "prompt": [1, 99999]}, 422, "prompt"),
+    ("negative token id", "/v1/completions", {**COMPLETION, "prompt": [[1], [-1]]}, 422, "prompt[1]"),
+    ("image part", "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     422, "messages[0].content[0].type"),
+    ("too many stops", "/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
+    ("empty stop", "/v1/completions", {**COMPLETION, "stop": [""]}, 422, "stop"),
+    ("stream_options without stream", "/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}},
+     422, "stream_options"),
+    ("both max tokens", "/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, 422,
+     "max_completion_tokens"),
+    ("streamed request, bad input", "/v1/chat/completions", {**CHAT, "stream": True, "temperature": -1}, 422,
+     "temperature"),
+    ("body not an object", "/v1/completions", [1, 2], 422, None),
+]
+
+
+def test_error_after_the_stream_started_is_an_error_event(http, server, monkeypatch):
+    service = server.app.state.service
+
+    async def broken(prompt, prompt_ids, params):
+        raise APIError(503, "the engine is not running", "unhealthy")
+        yield  # an async generator, like GenerationService.generate
+
+    monkeypatch.setattr(service, "generate", broken)
+    with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    first, last = (json.loads(e.removeprefix("data: ")) for e in (events[0], events[-1]))
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert last == {"error": {"message": "the engine is not running", "type": "service_unavailable", "param": None,
+                              "code": "unhealthy"}}
+    monkeypatch.undo()
+    assert wait_until_idle(service) == 0
+
+
+def test_no_slot_is_left_taken(server):
+    assert wait_until_idle(server.app.state.service) == 0
+
+
+@pytest.mark.parametrize("path, body, status, param", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_bad_requests_get_openai_errors(http, path, body, status, param):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+
+
+def test_not_available_names_the_issue(http):
+    error = http.post("/v1/completions", json={**COMPLETION, "n": 2}).json()["error"]
+    assert "issue 4" in error["message"] and "`n`" in error["message"]
+    error = http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_object"}}).json()["error"]
+    assert "grammar-guided JSON" in error["message"]
+
+
+def test_transport_errors_are_openai_shaped(http):
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = http.post("/v1/completions", content=b"x", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "error" in r.json()
+    r = http.post("/v1/nothing-here", json={})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sdk_raises_on_422_and_server_keeps_serving(client):
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model="m", prompt=PROMPT, n=2)
+    assert info.value.body["param"] == "n"
+    assert greedy_completion(client, max_tokens=3).usage.completion_tokens == 3
+    assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_openapi_documents_the_routes(http):
+    spec = http.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        op = spec["paths"][path]["post"]
+        assert "text/event-stream" in op["responses"]["200"]["content"]
+        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "CompletionRequest" in spec["components"]["schemas"]
+
+
+# -- admission ------------------------------------------------------------------------------------
+def test_admission_counts_each_prompt_and_releases(tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_total_tokens=MAX_TOTAL_TOKENS, max_concurrent_requests=2) as (url, app):
+        service = app.state.service
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"]})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
+            service.acquire()  # another client holds one of the two slots
+            try:
+                r = http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]})
+                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
+                r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stream": True})
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+                assert http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
+            finally:
+                service.release()
+            assert wait_until_idle(service) == 0
+            r = http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "max_tokens": 2})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+            # a client that leaves mid-stream gives its slots back
+            with http.stream("POST", "/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "max_tokens": 100,
+                                                              "stream": True}) as held:
+                next(held.iter_lines())
+            assert wait_until_idle(service) == 0
