@@ -1,4 +1,4 @@
-"""The `ember` command line: `generate`, `download`, `plugins` (and, later, `serve`).
+"""The `ember` command line: `serve`, `generate`, `download`, `plugins`.
 
 Every option takes its default from an ``EMBER_*`` environment variable, read when
 `main` runs (never at import); a flag on the command line wins over the variable.
@@ -76,6 +76,15 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "disable_plugin": EnvOption("EMBER_DISABLE_PLUGIN", _parse_names),
     "plugin": EnvOption("EMBER_PLUGIN", _parse_names),
     "json": EnvOption("EMBER_PLUGINS_JSON", _parse_bool),
+    "hostname": EnvOption("EMBER_HOSTNAME", str),
+    "port": EnvOption("EMBER_PORT", int),
+    "max_concurrent_requests": EnvOption("EMBER_MAX_CONCURRENT_REQUESTS", int),
+    "max_input_tokens": EnvOption("EMBER_MAX_INPUT_TOKENS", int),
+    "max_total_tokens": EnvOption("EMBER_MAX_TOTAL_TOKENS", int),
+    "max_batch_prefill_tokens": EnvOption("EMBER_MAX_BATCH_PREFILL_TOKENS", int),
+    "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
+    "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
+    "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -92,6 +101,15 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "disable_plugin": [],
     "plugin": [],
     "json": False,
+    "hostname": "127.0.0.1",
+    "port": 3000,
+    "max_concurrent_requests": 128,
+    "max_input_tokens": None,
+    "max_total_tokens": None,
+    "max_batch_prefill_tokens": None,
+    "max_batch_total_tokens": None,
+    "max_stop_sequences": 4,
+    "payload_limit": 2_000_000,
 }
 
 
@@ -172,6 +190,24 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", metavar="S", type=int, default=None, help="make sampling reproducible [EMBER_SEED]")
 
 
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--hostname", metavar="H", default=None, help="address to bind (default 127.0.0.1) [EMBER_HOSTNAME]")
+    group.add_argument("--port", metavar="P", type=int, default=None, help="port (default 3000) [EMBER_PORT]")
+    limits = parser.add_argument_group("limits")
+    for flag, help_text in [
+        ("--max-concurrent-requests", "requests in flight before answering 429 (default 128)"),
+        ("--max-input-tokens", "longest prompt in tokens (default: max-total-tokens - 1)"),
+        ("--max-total-tokens", "prompt + generated tokens of one request (default: the model's context)"),
+        ("--max-batch-prefill-tokens", "tokens one engine step computes (default: max(max-input-tokens, 4096))"),
+        ("--max-batch-total-tokens", "tokens the KV cache holds for all requests (default: from the memory budget)"),
+        ("--max-stop-sequences", "stop sequences per request (default 4)"),
+        ("--payload-limit", "largest request body in bytes (default 2000000)"),
+    ]:
+        dest = flag[2:].replace("-", "_")
+        limits.add_argument(flag, metavar="N", type=int, default=None, help=f"{help_text} [{ENV_OPTIONS[dest].variable}]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --log-level is accepted before and after the command; SUPPRESS keeps the
     # subcommand's copy from overwriting a value given before it.
@@ -206,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("model_id", metavar="MODEL_ID", nargs="?", default=None, help="[EMBER_MODEL_ID]")
     download.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
     download.set_defaults(handler=run_download)
+
+    serve = commands.add_parser(
+        "serve", parents=[common], help="serve the TGI- and OpenAI-compatible HTTP API",
+        description="Load a model and serve it over HTTP (TGI and OpenAI routes, SSE streaming). "
+        "Limits left unset are derived from the model and the KV cache.",
+    )
+    _add_engine_arguments(serve)
+    _add_server_arguments(serve)
+    serve.set_defaults(handler=run_serve)
 
     plugins = commands.add_parser(
         "plugins", parents=[common], help="list discovered plugins and what they register",
@@ -249,6 +294,31 @@ def run_generate(args: argparse.Namespace) -> int:
         out.flush()
     out.write("\n")
     out.flush()
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ember.api.server import serve
+    from ember.api.settings import ServerSettings
+
+    # Contradictory limits are refused here, before a model is loaded.
+    settings = ServerSettings(
+        model_id=args.model_id,
+        revision=args.revision,
+        dtype=args.dtype,
+        hostname=args.hostname,
+        port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_stop_sequences=args.max_stop_sequences,
+        payload_limit=args.payload_limit,
+        disabled_plugins=tuple(args.disable_plugin),
+        required_plugins=tuple(args.plugin),
+    )
+    serve(settings)
     return 0
 
 

@@ -16,7 +16,7 @@ from ember.model_runner import ModelRunner
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
-from ember.request import Request
+from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
 from ember.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
@@ -42,6 +42,18 @@ def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
 class _RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
+    text: str = ""  # the output text so far, cut at a stop string
+    num_emitted_chars: int = 0  # how much of `text` was streamed already
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """Earliest occurrence at or after ``start`` of any of ``stops`` in ``text``."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
 
 
 class LLMEngine:
@@ -113,17 +125,14 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return self.tokenizer.encode(prompt)
 
-    def add_request(
-        self,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a request; it joins the running batch at the next step.
+    def validate_request(
+        self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None
+    ) -> list[int]:
+        """Tokenize and check a request without changing any state (safe from any thread).
 
-        Raises ValueError for an empty prompt, token ids outside the vocabulary,
-        or a prompt longer than the model's context.
+        Returns the prompt's token ids. Raises ValueError for an empty prompt, token ids
+        outside the vocabulary, a prompt longer than the context, or a request larger
+        than the whole KV cache.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -135,9 +144,25 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        probe = Request("<validate>", prompt_token_ids, params)
+        self.scheduler.check_request_fits(probe)
+        return prompt_token_ids
+
+    def add_request(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; it joins the running batch at the next step.
+
+        Raises ValueError as :meth:`validate_request` does.
+        """
+        prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
         request_id = request_id or f"req-{next(self._counter)}"
         request = Request(
             request_id=request_id,
@@ -146,7 +171,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prompt=prompt,
         )
-        self.scheduler.add_request(request)  # validates length against the context
+        self.scheduler.add_request(request)
         self._states[request_id] = _RequestState(
             request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         )
@@ -174,23 +199,55 @@ class LLMEngine:
             state = self._states.get(request.request_id)
             if state is None:
                 continue
-            new_text = state.detokenizer.add_tokens(update.new_token_ids) if update.new_token_ids else ""
-            if request.is_finished:
-                new_text += state.detokenizer.flush()
-                del self._states[request.request_id]
-                self._notify_finished(request)
             if not update.new_token_ids and not request.is_finished:
                 continue
+            new_text = self._update_text(state, update.new_token_ids)
+            if request.is_finished:
+                del self._states[request.request_id]
+                self._notify_finished(request)
             outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
         return outputs
+
+    def _update_text(self, state: _RequestState, new_token_ids: list[int]) -> str:
+        """Detokenize, apply stop strings, and return the text that is safe to stream.
+
+        While a request runs, the last ``len(longest stop) - 1`` characters are held
+        back (they may begin a stop string), so streamed pieces always concatenate to
+        the final text.
+        """
+        request = state.request
+        params = request.sampling_params
+        detok = state.detokenizer
+        checked = len(state.text)
+        if new_token_ids:
+            detok.add_tokens(new_token_ids)
+        if request.is_finished:
+            detok.flush()
+        state.text = detok.text if request.stop_string is None else state.text
+        if params.stop and request.stop_string is None:
+            longest = max(len(s) for s in params.stop)
+            hit = find_stop_string(state.text, params.stop, max(0, checked - longest + 1))
+            if hit is not None:
+                index, stop = hit
+                state.text = state.text[: index + len(stop) if params.include_stop_str_in_output else index]
+                request.stop_string = stop
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        safe = len(state.text)
+        if params.stop and not request.is_finished:
+            safe = max(state.num_emitted_chars, safe - (max(len(s) for s in params.stop) - 1))
+        piece = state.text[state.num_emitted_chars : safe]
+        state.num_emitted_chars = safe
+        return piece
 
     def _make_output(self, request: Request, state: _RequestState, new_ids: list[int], new_text: str) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
-            text=state.detokenizer.text,
+            text=state.text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
-            stop_reason=request.stop_token_id,
+            stop_reason=request.stop_string if request.stop_string is not None else request.stop_token_id,
+            token_logprobs=list(request.output_logprobs),
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -68,12 +68,15 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
-        sampled: list[int] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
             sampled = self.sampler(logits.cpu(), sampling)
-        it = iter(sampled)
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        ids_iter, lp_iter = iter(token_ids), iter(logprobs)
         return ModelRunnerOutput(
             request_ids=[item.request_id for item in scheduled],
-            sampled_token_ids=[[next(it)] if item.needs_sample else [] for item in scheduled],
+            sampled_token_ids=[[next(ids_iter)] if item.needs_sample else [] for item in scheduled],
+            sampled_logprobs=[[next(lp_iter)] if item.needs_sample else [] for item in scheduled],
         )

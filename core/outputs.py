@@ -13,7 +13,14 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    # the stop token id or stop string that ended generation, if any
+    stop_reason: int | str | None = None
+    # log-probability of each generated token under the distribution it was sampled from
+    token_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.token_logprobs))
 
 
 @dataclass

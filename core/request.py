@@ -43,9 +43,11 @@ class Request:
     arrival_index: int = 0
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None
+    stop_string: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

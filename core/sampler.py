@@ -20,6 +20,12 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class Sampler:
     """Stateful only in the per-request generators (seeded requests keep their own
     stream, so a seed gives the same tokens whatever else shares the batch)."""
@@ -45,15 +51,21 @@ class Sampler:
             self._generators[row.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """``logits``: (len(rows), vocab) float32; returns one token id per row."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``logits``: (len(rows), vocab) float32; one token id per row, and its
+        log-probability under the distribution it was drawn from (after temperature,
+        top-k and top-p; the raw distribution for greedy rows)."""
         assert logits.shape[0] == len(rows)
         logits = self._apply_min_tokens(logits, rows)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         out = torch.empty(len(rows), dtype=torch.int64)
+        logprobs = torch.empty(len(rows), dtype=torch.float32)
         if greedy:
-            out[greedy] = logits[greedy].argmax(dim=-1)
+            sub = logits[greedy]
+            ids = sub.argmax(dim=-1)
+            out[greedy] = ids
+            logprobs[greedy] = sub.log_softmax(dim=-1).gather(-1, ids[:, None])[:, 0]
         if sampled:
             sub = logits[sampled]
             temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32)
@@ -64,11 +76,14 @@ class Sampler:
                 [rows[i].params.top_p for i in sampled],
             )
             probs = sub.softmax(dim=-1)
+            log_probs = sub.log_softmax(dim=-1)
             for j, i in enumerate(sampled):
                 # Exponential race: argmax(p / E), E ~ Exp(1), is a sample from p.
                 noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(rows[i]))
-                out[i] = (probs[j] / noise).argmax()
-        return out.tolist()
+                token = (probs[j] / noise).argmax()
+                out[i] = token
+                logprobs[i] = log_probs[j, token]
+        return SamplerOutput(out.tolist(), logprobs.tolist())
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -14,6 +14,8 @@ class SamplingParams:
     reproducible whatever else shares its batch. Generation stops at EOS (unless
     `ignore_eos`), at any of `stop_token_ids`, or after `max_tokens` tokens;
     `min_tokens` suppresses EOS and stop tokens until that many were produced.
+    `stop` strings end generation when they appear in the text; the text is cut
+    before the stop string unless `include_stop_str_in_output`.
     """
 
     temperature: float = 1.0
@@ -23,6 +25,8 @@ class SamplingParams:
     min_tokens: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
@@ -30,6 +34,8 @@ class SamplingParams:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
         # and hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
         self.validate()
 
     def validate(self) -> None:
@@ -50,6 +56,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
         for token_id in self.stop_token_ids:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {token_id!r}")

@@ -62,6 +62,8 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
+    # log-probability of each sampled token (same shape); empty lists when unknown
+    sampled_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,14 +208,16 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish stopped requests."""
         updates: list[RequestUpdate] = []
-        for item, sampled in zip(scheduler_output.scheduled, runner_output.sampled_token_ids):
+        logprobs = runner_output.sampled_logprobs or [[] for _ in runner_output.sampled_token_ids]
+        for item, sampled, sampled_lp in zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs):
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
             new_ids: list[int] = []
-            for token_id in sampled:
+            for k, token_id in enumerate(sampled):
                 request.output_token_ids.append(token_id)
+                request.output_logprobs.append(sampled_lp[k] if k < len(sampled_lp) else float("nan"))
                 new_ids.append(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
@@ -236,6 +240,14 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status)
+        return True
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:

@@ -170,13 +170,13 @@ class CPUBackend(BaseBackend):
         return torch.bfloat16 if self._native_bf16 else torch.float32
 
     def kv_cache_memory_bytes(self, model_bytes: int) -> int:
-        # A quarter of the RAM still available, capped at 4 GiB: the CPU shares memory
-        # with everything else on the host.
+        # A quarter of the RAM still available, capped at 2 GiB: the CPU shares memory
+        # with everything else on the host, and the cache is zeroed at start.
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             available = 8 << 30
-        return int(max(256 << 20, min(4 << 30, available // 4)))
+        return int(max(256 << 20, min(2 << 30, available // 4)))
 
     def create_attention(self) -> BaseAttention:
         return CPUAttention()

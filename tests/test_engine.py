@@ -151,3 +151,32 @@ def test_bfloat16_storage_runs_and_stays_close_to_float32(llm):
     assert bf.engine.runner.kv_caches[0].dtype == torch.bfloat16
     out = bf.generate("bf16", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_stop_strings_cut_the_text_and_streaming_agrees(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free_text = llm.generate("stop strings", greedy)[0].outputs[0].text
+    assert len(free_text) > 12
+    stop = free_text[6:9]
+    first = free_text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "never-appears"])
+    out = llm.generate("stop strings", params)[0].outputs[0]
+    assert out.text == free_text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 30
+    streamed = "".join(llm.stream("stop strings", params))
+    assert streamed == out.text
+    kept = llm.generate(
+        "stop strings", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == free_text[: first + len(stop)]
+    assert_all_blocks_free(llm)
+
+
+def test_sampled_token_logprobs(llm):
+    out = llm.generate("logprobs", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_logprobs) == 6
+    assert all(lp <= 0.0 for lp in out.token_logprobs)
+    assert out.cumulative_logprob == pytest.approx(sum(out.token_logprobs))
+    with pytest.raises(ValueError, match="stop must hold non-empty strings"):
+        SamplingParams(stop=[""])

@@ -1,0 +1,141 @@
+"""The OpenAPI document, built from the pydantic schemas each route declares with
+`@documented`, and a self-contained /docs page that renders it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse
+from starlette.routing import Route
+
+
+@dataclass(frozen=True)
+class RouteDoc:
+    summary: str
+    tag: str
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    response_is_list: bool = False
+    streams: bool = False  # answers text/event-stream (always, or when the body asks)
+    errors: tuple[int, ...] = (400, 413, 415, 422, 429)
+    error_model: type[BaseModel] | None = None
+
+
+def documented(**kwargs: Any) -> Callable:
+    """Attach a RouteDoc to a handler: ``@documented(summary=..., tag=..., request=M)``."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.__openapi__ = RouteDoc(**kwargs)
+        return fn
+
+    return mark
+
+
+def _schema_ref(model: type[BaseModel], components: dict) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, definition in schema.pop("$defs", {}).items():
+        components[name] = definition
+    components[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def build_openapi(routes: list[Route], version: str) -> dict:
+    components: dict[str, Any] = {}
+    paths: dict[str, Any] = {}
+    for route in routes:
+        doc: RouteDoc | None = getattr(route.endpoint, "__openapi__", None)
+        if doc is None:
+            continue
+        for method in sorted(m for m in (route.methods or ()) if m != "HEAD"):
+            op: dict[str, Any] = {"summary": doc.summary, "tags": [doc.tag], "responses": {}}
+            if doc.request is not None:
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": _schema_ref(doc.request, components)}},
+                }
+            ok: dict[str, Any] = {"description": "success"}
+            content: dict[str, Any] = {}
+            if doc.response is not None:
+                ref = _schema_ref(doc.response, components)
+                content["application/json"] = {"schema": {"type": "array", "items": ref} if doc.response_is_list else ref}
+            if doc.streams:
+                content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events"}}
+            if content:
+                ok["content"] = content
+            op["responses"]["200"] = ok
+            if doc.request is not None:
+                for status in doc.errors:
+                    error = {"description": _ERROR_TEXT.get(status, "error")}
+                    if doc.error_model is not None:
+                        error["content"] = {"application/json": {"schema": _schema_ref(doc.error_model, components)}}
+                    op["responses"][str(status)] = error
+            paths.setdefault(route.path, {})[method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Ember", "version": version, "description": "TGI- and OpenAI-compatible LLM inference server"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+_ERROR_TEXT = {
+    400: "malformed JSON or body not UTF-8",
+    413: "body larger than --payload-limit",
+    415: "Content-Type is not application/json",
+    422: "a field has the wrong type, is out of range, unknown, or not available yet",
+    429: "more than --max-concurrent-requests in flight",
+    503: "the engine is not running",
+}
+
+DOCS_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>Ember API</title>
+<style>body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}
+code,pre{background:#f4f4f4;padding:.1rem .3rem}pre{padding:.6rem;overflow:auto}
+h2{border-bottom:1px solid #ddd}.m{font-weight:bold;text-transform:uppercase;margin-right:.5rem}</style>
+</head><body><h1>Ember API</h1><p>Machine-readable: <a href="/openapi.json">/openapi.json</a></p>
+<div id="paths">loading...</div>
+<script>
+fetch('/openapi.json').then(r => r.json()).then(spec => {
+  const root = document.getElementById('paths'); root.innerHTML = '';
+  for (const [path, ops] of Object.entries(spec.paths)) {
+    for (const [method, op] of Object.entries(ops)) {
+      const h = document.createElement('h2');
+      h.innerHTML = '<span class="m">' + method + '</span><code>' + path + '</code> ' + op.summary;
+      root.appendChild(h);
+      const body = op.requestBody && op.requestBody.content['application/json'].schema['$ref'];
+      if (body) {
+        const name = body.split('/').pop();
+        const pre = document.createElement('pre');
+        pre.textContent = 'request ' + name + ': ' + JSON.stringify(spec.components.schemas[name], null, 2);
+        root.appendChild(pre);
+      }
+      const codes = Object.keys(op.responses).join(', ');
+      const p = document.createElement('p'); p.textContent = 'responses: ' + codes; root.appendChild(p);
+    }
+  }
+});
+</script></body></html>
+"""
+
+
+class OpenAPIRoutes:
+    def __init__(self, routes: list[Route]) -> None:
+        import ember
+
+        self._spec = build_openapi(routes, ember.__version__)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+            Route("/docs", self.docs, methods=["GET"]),
+        ]
+
+    async def openapi(self, request: Request) -> JSONResponse:
+        return JSONResponse(self._spec)
+
+    async def docs(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(DOCS_HTML)

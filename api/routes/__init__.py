@@ -1,0 +1,1 @@
+"""HTTP routes: TGI's, OpenAI's, and the common ones (health, info, models, docs)."""

@@ -1,0 +1,72 @@
+"""Routes every client shares: health, info, models list."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ember.api.openapi import documented
+from ember.api.schemas import tgi
+from ember.api.service import GenerationService
+
+
+class CommonRoutes:
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/info", self.info, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+        ]
+
+    @documented(summary="Health: 200 while the engine runs, 503 otherwise", tag="Common")
+    async def health(self, request: Request) -> Response:
+        """200 while the engine loop runs; 503 (with the reason) once it died."""
+        engine = self.service.engine
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(
+            {"error": f"engine is not running: {engine.dead_error!r}", "error_type": "unhealthy"}, status_code=503
+        )
+
+    @documented(summary="Model, dtype, backend, limits and version", tag="Common", response=tgi.Info)
+    async def info(self, request: Request) -> Response:
+        s = self.service
+        kv = s.engine.engine.kv_manager
+        limits = s.limits
+        return JSONResponse(
+            {
+                "model_id": s.info.model_id,
+                "model_sha": None,
+                "model_dtype": s.info.dtype,
+                "model_device_type": s.info.backend,
+                "model_pipeline_tag": "text-generation",
+                "max_concurrent_requests": limits.max_concurrent_requests,
+                "max_best_of": 1,
+                "max_stop_sequences": limits.max_stop_sequences,
+                "max_input_tokens": limits.max_input_tokens,
+                "max_total_tokens": limits.max_total_tokens,
+                "max_batch_prefill_tokens": limits.max_batch_prefill_tokens,
+                "max_batch_total_tokens": limits.max_batch_total_tokens,
+                "max_client_batch_size": 1,
+                "router": "ember",
+                "version": s.info.version,
+                "backend": s.info.backend,
+                "num_kv_blocks": kv.num_blocks,
+                "kv_block_size": kv.block_size,
+            }
+        )
+
+    @documented(summary="The served model (OpenAI list shape)", tag="OpenAI")
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.service.info.model_id, "object": "model", "created": self.service.info.created, "owned_by": "ember"}
+                ],
+            }
+        )

@@ -1,0 +1,213 @@
+"""TGI routes: /generate, /generate_stream, / (compat), /tokenize."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event
+from ember.api.openapi import documented
+from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
+from ember.api.schemas import tgi
+from ember.api.service import GenerationService
+from ember.api.sse import EventStreamResponse, sse_event
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+
+# parameter -> (neutral value that is accepted, where it will be implemented)
+NOT_YET = {
+    "best_of": (None, "issue 4 (n/best_of)"),
+    "decoder_input_details": (False, "issue 4 (prompt logprobs)"),
+    "frequency_penalty": (None, "issue 4 (penalties)"),
+    "repetition_penalty": (None, "issue 4 (penalties)"),
+    "typical_p": (None, "issue 4 (typical sampling)"),
+    "top_n_tokens": (None, "issue 4 (top tokens)"),
+    "grammar": (None, "the grammar-guided decoding issue"),
+    "watermark": (False, "the watermark issue"),
+    "adapter_id": (None, "a LoRA adapters issue"),
+}
+NEUTRAL = {"best_of": 1, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "top_n_tokens": 0}
+
+
+def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingParams:
+    for name, (default, issue) in NOT_YET.items():
+        value = getattr(p, name)
+        if value != default and value != NEUTRAL.get(name, default):
+            raise not_available(f"parameters.{name}", issue)
+    is_sampling = p.do_sample or p.temperature is not None or p.top_k is not None or p.top_p is not None
+    seed = None
+    if is_sampling:
+        # TGI reports the seed it used, so that a sampled answer can be reproduced.
+        seed = p.seed if p.seed is not None else random.getrandbits(63)
+    return SamplingParams(
+        temperature=(p.temperature if p.temperature is not None else 1.0) if is_sampling else 0.0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        top_k=p.top_k if p.top_k is not None else -1,
+        max_tokens=max_new_tokens,
+        seed=seed,
+        stop=tuple(p.stop),
+    )
+
+
+def finish_reason(out: RequestOutput, eos_ids: tuple[int, ...]) -> str:
+    completion = out.outputs[0]
+    if completion.finish_reason == "length":
+        return "length"
+    if isinstance(completion.stop_reason, int) and completion.stop_reason in eos_ids:
+        return "eos_token"
+    return "stop_sequence"
+
+
+class TGIRoutes:
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/generate", self.generate, methods=["POST"]),
+            Route("/generate_stream", self.generate_stream, methods=["POST"]),
+            Route("/", self.compat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+        ]
+
+    async def _prepare(self, body: tgi.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        service = self.service
+        if not body.inputs:
+            raise APIError(422, "`inputs` is empty: give a non-empty prompt", "validation", "inputs")
+        ids = service.encode(body.inputs)
+        p = body.parameters
+        if p.truncate is not None:
+            if p.truncate > service.limits.max_input_tokens:
+                raise APIError(
+                    422, f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {p.truncate}",
+                    "validation", "truncate",
+                )
+            ids = ids[-p.truncate :]
+        service.check_stop(p.stop, "stop")
+        max_new = service.check_lengths(len(ids), p.max_new_tokens)
+        params = sampling_params(p, max_new)
+        service.validate(ids, params)
+        return ids, params
+
+    async def _read(self, request: Request, model: type) -> tgi.GenerateRequest:
+        return parse_model(model, await read_json(request, self.service.limits.payload_limit))
+
+    # -- /generate --------------------------------------------------------------
+    @documented(summary="Generate text (TGI)", tag="TGI", request=tgi.GenerateRequest,
+                response=tgi.GenerateResponse, error_model=tgi.ErrorResponse)
+    async def generate(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, tgi.GenerateRequest)
+            return await self._generate(request, body)
+        except APIError as exc:
+            return error_response(exc, Flavor.TGI)
+
+    async def _generate(self, request: Request, body: tgi.GenerateRequest) -> Response:
+        service = self.service
+        ids, params = await self._prepare(body)
+        with service.admit():
+            try:
+                out = await unless_disconnected(request, service.generate_final(body.inputs, ids, params))
+            except ClientDisconnected:
+                return Response(status_code=499)
+        completion = out.outputs[0]
+        text = (body.inputs + completion.text) if body.parameters.return_full_text else completion.text
+        response: dict = {"generated_text": text}
+        if body.parameters.details:
+            tokens = [
+                tgi.Token(id=t, text=service.token_text(t), logprob=lp, special=service.is_special(t))
+                for t, lp in zip(completion.token_ids, completion.token_logprobs)
+            ]
+            response["details"] = tgi.Details(
+                finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
+                generated_tokens=len(completion.token_ids),
+                seed=params.seed,
+                tokens=tokens,
+            ).model_dump()
+        return JSONResponse(response)
+
+    # -- /generate_stream ----------------------------------------------------------
+    @documented(summary="Generate text as server-sent events (TGI)", tag="TGI", request=tgi.GenerateRequest,
+                response=tgi.StreamResponse, streams=True, error_model=tgi.ErrorResponse)
+    async def generate_stream(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, tgi.GenerateRequest)
+            return await self._stream(body)
+        except APIError as exc:
+            return error_response(exc, Flavor.TGI)
+
+    async def _stream(self, body: tgi.GenerateRequest) -> Response:
+        service = self.service
+        ids, params = await self._prepare(body)
+        service.acquire()
+        return EventStreamResponse(self._events(body, ids, params), on_close=service.release)
+
+    async def _events(self, body: tgi.GenerateRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+        service = self.service
+        index = 0
+        try:
+            async for out in service.generate(body.inputs, ids, params):
+                completion = out.outputs[0]
+                new_ids = out.new_token_ids
+                for k, token_id in enumerate(new_ids):
+                    index += 1
+                    is_last = out.finished and k == len(new_ids) - 1
+                    logprob = completion.token_logprobs[len(completion.token_ids) - len(new_ids) + k]
+                    event: dict = {
+                        "index": index,
+                        "token": {
+                            "id": token_id,
+                            "text": out.new_text if k == len(new_ids) - 1 else "",
+                            "logprob": logprob,
+                            "special": service.is_special(token_id),
+                        },
+                        "top_tokens": None,
+                        "generated_text": None,
+                        "details": None,
+                    }
+                    if is_last:
+                        text = completion.text
+                        event["generated_text"] = (body.inputs + text) if body.parameters.return_full_text else text
+                        event["details"] = {
+                            "finish_reason": finish_reason(out, service.engine.engine.eos_token_ids),
+                            "generated_tokens": len(completion.token_ids),
+                            "seed": params.seed,
+                            "input_length": len(ids),
+                        }
+                    yield sse_event(event)
+        except APIError as exc:
+            yield sse_error_event(exc, Flavor.TGI)
+        except Exception as exc:  # never a broken stream: an error event, then a clean end
+            yield sse_error_event(APIError(500, f"generation failed: {exc!r}", "generation"), Flavor.TGI)
+
+    # -- / (compat) -----------------------------------------------------------------
+    @documented(summary="TGI compat route: /generate or /generate_stream by `stream`", tag="TGI",
+                request=tgi.CompatGenerateRequest, response=tgi.GenerateResponse, streams=True,
+                error_model=tgi.ErrorResponse)
+    async def compat(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, tgi.CompatGenerateRequest)
+            if body.stream:
+                return await self._stream(body)
+            return await self._generate(request, body)
+        except APIError as exc:
+            return error_response(exc, Flavor.TGI)
+
+    # -- /tokenize --------------------------------------------------------------------
+    @documented(summary="Tokenize a prompt", tag="TGI", request=tgi.TokenizeRequest,
+                response=tgi.SimpleToken, response_is_list=True, error_model=tgi.ErrorResponse)
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = parse_model(tgi.TokenizeRequest, await read_json(request, self.service.limits.payload_limit))
+        except APIError as exc:
+            return error_response(exc, Flavor.TGI)
+        encoding = self.service.tokenizer(body.inputs, return_offsets_mapping=True)
+        tokens = [
+            {"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+        ]
+        return JSONResponse(tokens)

@@ -1,0 +1,1 @@
+"""Request and response schemas (pydantic): validation and the OpenAPI document."""

@@ -1,0 +1,116 @@
+"""What every route shares: the async engine, the limits, admission control."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ember.api.errors import APIError, overloaded, validation_error
+from ember.api.settings import ResolvedLimits
+from ember.async_engine import AsyncLLMEngine, EngineDeadError
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    dtype: str
+    backend: str
+    version: str
+    created: int
+
+
+class GenerationService:
+    def __init__(self, engine: AsyncLLMEngine, limits: ResolvedLimits, info: ModelInfo) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.info = info
+        self.tokenizer = engine.engine.tokenizer
+        self.num_in_flight = 0
+        self.started_at = time.time()
+
+    def acquire(self) -> None:
+        """Count a request in flight; past --max-concurrent-requests answer 429 at once.
+        Every successful acquire is paired with exactly one `release`."""
+        if self.num_in_flight >= self.limits.max_concurrent_requests:
+            raise overloaded()
+        self.num_in_flight += 1
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+
+    @contextmanager
+    def admit(self):
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks (vocabulary, context, KV capacity) as a 422."""
+        try:
+            self.engine.validate(None, params, prompt_ids)
+        except ValueError as exc:
+            raise validation_error(str(exc)) from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_lengths(self, num_input: int, max_new_tokens: int | None, input_name: str = "inputs") -> int:
+        """Apply the TGI limits; return max_new_tokens (defaulting to the room left)."""
+        limits = self.limits
+        if num_input == 0:
+            raise validation_error(f"`{input_name}` is empty: it has no tokens", input_name)
+        if num_input > limits.max_input_tokens:
+            raise validation_error(
+                f"`{input_name}` must have at most {limits.max_input_tokens} tokens. Given: {num_input}", input_name
+            )
+        if max_new_tokens is None:
+            max_new_tokens = limits.max_total_tokens - num_input
+        if num_input + max_new_tokens > limits.max_total_tokens:
+            raise validation_error(
+                f"`{input_name}` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+                f"Given: {num_input} `{input_name}` tokens and {max_new_tokens} `max_new_tokens`",
+                "max_new_tokens",
+            )
+        return max_new_tokens
+
+    def check_stop(self, stop: list[str], param: str = "stop") -> None:
+        if len(stop) > self.limits.max_stop_sequences:
+            raise validation_error(
+                f"`{param}` supports at most {self.limits.max_stop_sequences} stop sequences. Given: {len(stop)}", param
+            )
+
+    async def generate(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.engine.generate(prompt, params, prompt_token_ids=prompt_ids):
+                yield out
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "unhealthy") from None
+        except ValueError as exc:
+            raise validation_error(str(exc)) from None
+
+    async def generate_final(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        last = None
+        async for out in self.generate(prompt, prompt_ids, params):
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    @property
+    def _special_ids(self) -> set[int]:
+        ids = getattr(self, "_special_cache", None)
+        if ids is None:
+            ids = set(self.tokenizer.all_special_ids)
+            self._special_cache = ids
+        return ids

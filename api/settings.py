@@ -1,0 +1,137 @@
+"""Server settings: the `ember serve` options, validated before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Limits in TGI's vocabulary. ``None`` means: derive from the model and backend.
+
+    * ``max_input_tokens``: longest prompt accepted (after ``truncate``).
+    * ``max_total_tokens``: prompt + generated tokens of one request (the context).
+    * ``max_batch_prefill_tokens``: tokens one engine step may compute.
+    * ``max_batch_total_tokens``: tokens the KV cache holds across all requests.
+    """
+
+    model_id: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    hostname: str = "127.0.0.1"
+    port: int = 3000
+    max_concurrent_requests: int = 128
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_stop_sequences: int = 4
+    payload_limit: int = 2_000_000
+    disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
+    required_plugins: tuple[str, ...] = field(default_factory=tuple)
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
+        object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
+        positive = {
+            "port": self.port,
+            "max_concurrent_requests": self.max_concurrent_requests,
+            "payload_limit": self.payload_limit,
+        }
+        optional_positive = {
+            "max_input_tokens": self.max_input_tokens,
+            "max_total_tokens": self.max_total_tokens,
+            "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
+            "max_batch_total_tokens": self.max_batch_total_tokens,
+        }
+        for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.port > 65535:
+            raise ValueError(f"--port must be at most 65535, got {self.port}")
+        if self.max_stop_sequences < 0:
+            raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
+        self.check_consistency()
+
+    def check_consistency(self) -> None:
+        """Refuse limits that contradict each other, naming both."""
+        if self.max_input_tokens is not None and self.max_total_tokens is not None:
+            if self.max_input_tokens >= self.max_total_tokens:
+                raise ValueError(
+                    f"--max-input-tokens ({self.max_input_tokens}) must be < --max-total-tokens "
+                    f"({self.max_total_tokens}): a request needs room for at least one generated token"
+                )
+        if self.max_batch_prefill_tokens is not None and self.max_input_tokens is not None:
+            if self.max_batch_prefill_tokens < self.max_input_tokens:
+                raise ValueError(
+                    f"--max-batch-prefill-tokens ({self.max_batch_prefill_tokens}) must be >= "
+                    f"--max-input-tokens ({self.max_input_tokens}): a prompt is prefilled in one step"
+                )
+        if self.max_batch_total_tokens is not None and self.max_total_tokens is not None:
+            if self.max_batch_total_tokens < self.max_total_tokens:
+                raise ValueError(
+                    f"--max-batch-total-tokens ({self.max_batch_total_tokens}) must be >= "
+                    f"--max-total-tokens ({self.max_total_tokens}): the KV cache must hold one full request"
+                )
+
+
+@dataclass(frozen=True)
+class ResolvedLimits:
+    """The limits in force once the model is loaded (what /info reports)."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_concurrent_requests: int
+    max_stop_sequences: int
+    payload_limit: int
+
+
+def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict:
+    """EngineConfig fields that follow from the settings (the rest use engine defaults)."""
+    kwargs: dict = {
+        "model": settings.model_id,
+        "revision": settings.revision,
+        "dtype": settings.dtype,
+        "block_size": block_size,
+        "disabled_plugins": settings.disabled_plugins,
+        "required_plugins": settings.required_plugins,
+    }
+    if settings.max_total_tokens is not None:
+        kwargs["max_model_len"] = settings.max_total_tokens
+    if settings.max_batch_prefill_tokens is not None:
+        kwargs["max_num_batched_tokens"] = max(settings.max_batch_prefill_tokens, settings.max_total_tokens or 0)
+    if settings.max_batch_total_tokens is not None:
+        kwargs["num_kv_blocks"] = -(-settings.max_batch_total_tokens // block_size)
+    return kwargs
+
+
+def resolve_limits(settings: ServerSettings, max_model_len: int, num_kv_tokens: int) -> ResolvedLimits:
+    """Fill the derived limits from the loaded engine and check them against it."""
+    max_total = settings.max_total_tokens or max_model_len
+    if max_total > max_model_len:
+        raise ValueError(f"--max-total-tokens ({max_total}) exceeds the model's context ({max_model_len})")
+    max_input = settings.max_input_tokens or max_total - 1
+    limits = ResolvedLimits(
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_batch_prefill_tokens=settings.max_batch_prefill_tokens or max(max_input, 4096),
+        max_batch_total_tokens=settings.max_batch_total_tokens or num_kv_tokens,
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_stop_sequences=settings.max_stop_sequences,
+        payload_limit=settings.payload_limit,
+    )
+    ServerSettings(
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+    )  # the same consistency checks on the derived values
+    if limits.max_batch_total_tokens > num_kv_tokens:
+        raise ValueError(
+            f"--max-batch-total-tokens ({limits.max_batch_total_tokens}) exceeds the KV cache "
+            f"({num_kv_tokens} tokens)"
+        )
+    return limits

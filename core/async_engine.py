@@ -1,0 +1,197 @@
+"""The engine loop beside an asyncio event loop.
+
+`AsyncLLMEngine` owns one `LLMEngine` and runs its steps in a dedicated thread,
+so the event loop (HTTP) never waits on a forward pass. Requests are validated in
+the caller's thread (pure checks: tokenization, lengths, parameters), then handed
+to the engine thread through a command queue; outputs come back through one
+asyncio queue per request. A failing step fails the requests it held, never the
+loop: the engine keeps serving the next requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ember.engine import LLMEngine
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class _RequestStream:
+    """Outputs of one request, pushed from the engine thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams and the id counter
+        self._next_id = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+        self.num_steps = 0
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # -- requests -------------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        with self._lock:
+            self._next_id += 1
+            return f"{prefix}-{self._next_id}"
+
+    def validate(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> list[int]:
+        """Tokenize and check a request without queueing it; ValueError names the problem."""
+        return self.engine.validate_request(prompt, params, prompt_token_ids)
+
+    async def generate(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate, queue and stream one request's outputs (the last has ``finished``).
+
+        Leaving the iterator early (client gone, task cancelled) aborts the request,
+        which frees its KV blocks at the engine's next step.
+        """
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        ids = self.validate(prompt, params, prompt_token_ids)
+        request_id = request_id or self.new_request_id()
+        stream = _RequestStream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, ids, params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
+
+    # -- the engine thread ------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            stream = self._streams.get(command.request_id)
+            if stream is None:  # the client left before the request reached the engine
+                continue
+            try:
+                self.engine.add_request(
+                    command.prompt, command.params, prompt_token_ids=command.prompt_token_ids,
+                    request_id=command.request_id,
+                )
+            except ValueError as exc:
+                stream.put(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+            self.num_steps += 1
+        except Exception as exc:
+            # Fail the requests in flight, keep the loop alive for the next ones.
+            logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._streams))
+            for request_id in list(self.engine.scheduler.requests):
+                self.engine.abort_request(request_id)
+            self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(exc)

@@ -1,0 +1,284 @@
+"""The TGI routes on a real uvicorn server (tiny random Llama), driven with httpx and
+huggingface_hub's InferenceClient: shapes, streaming, concurrency, overload,
+disconnects, and a table of bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from server_utils import running_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_total_tokens=256, max_stop_sequences=4, payload_limit=100_000) as (url, app):
+        yield url, app
+
+
+def kv_of(app):
+    return app.state.service.engine.engine.kv_manager
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def generate(url, inputs="hello world", **parameters):
+    return httpx.post(f"{url}/generate", json={"inputs": inputs, "parameters": parameters}, timeout=60)
+
+
+def test_generate_and_details(server):
+    url, _ = server
+    r = generate(url, max_new_tokens=8, details=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    details = body["details"]
+    assert details["finish_reason"] == "length" and details["generated_tokens"] == 8
+    assert details["seed"] is None and details["prefill"] == []
+    assert len(details["tokens"]) == 8
+    for token in details["tokens"]:
+        assert set(token) == {"id", "text", "logprob", "special"} and token["logprob"] <= 0
+    full = generate(url, max_new_tokens=8, return_full_text=True).json()["generated_text"]
+    assert full == "hello world" + body["generated_text"]
+
+
+def test_stream_events_concatenate_to_generated_text(server):
+    url, _ = server
+    for inputs in ["hello world", "multi-byte: 🙂 漢字 café"]:
+        plain = generate(url, inputs, max_new_tokens=24).json()["generated_text"]
+        r = httpx.post(f"{url}/generate_stream", json={"inputs": inputs, "parameters": {"max_new_tokens": 24}}, timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        assert len(events) == 24
+        assert all(e["generated_text"] is None for e in events[:-1])
+        assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == plain
+        assert events[-1]["details"]["finish_reason"] == "length"
+        assert events[-1]["details"]["generated_tokens"] == 24
+
+
+def test_stop_sequences_and_seeds(server):
+    url, _ = server
+    text = generate(url, "stop here", max_new_tokens=20).json()["generated_text"]
+    stop = text[5:8]
+    r = generate(url, "stop here", max_new_tokens=20, stop=[stop], details=True).json()
+    assert r["generated_text"] == text[: text.index(stop)]
+    assert r["details"]["finish_reason"] == "stop_sequence"
+    a = generate(url, "seeded", max_new_tokens=12, do_sample=True, seed=42, details=True).json()
+    b = generate(url, "seeded", max_new_tokens=12, do_sample=True, seed=42).json()
+    assert a["generated_text"] == b["generated_text"] and a["details"]["seed"] == 42
+    unseeded = generate(url, "seeded", max_new_tokens=4, temperature=0.7, details=True).json()
+    assert isinstance(unseeded["details"]["seed"], int)
+
+
+def test_compat_route_tokenize_info_health_models(server):
+    url, _ = server
+    r = httpx.post(f"{url}/", json={"inputs": "compat", "parameters": {"max_new_tokens": 5}}, timeout=60)
+    assert r.status_code == 200 and isinstance(r.json()["generated_text"], str)
+    r = httpx.post(f"{url}/", json={"inputs": "compat", "parameters": {"max_new_tokens": 5}, "stream": True}, timeout=60)
+    assert len(sse_events(r.text)) == 5
+    tokens = httpx.post(f"{url}/tokenize", json={"inputs": "hello there"}).json()
+    assert "".join(t["text"] for t in tokens) == "hello there"
+    assert all(t["stop"] > t["start"] for t in tokens)
+    info = httpx.get(f"{url}/info").json()
+    assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
+    assert info["backend"] == "cpu" and info["model_dtype"] == "float32" and info["version"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == info["model_id"]
+
+
+def test_openapi_describes_every_route(server):
+    url, app = server
+    spec = httpx.get(f"{url}/openapi.json").json()
+    for path, method in [("/generate", "post"), ("/generate_stream", "post"), ("/", "post"), ("/tokenize", "post"),
+                         ("/info", "get"), ("/health", "get"), ("/v1/models", "get"),
+                         ("/v1/completions", "post"), ("/v1/chat/completions", "post")]:
+        assert method in spec["paths"].get(path, {}), f"{method.upper()} {path} missing from /openapi.json"
+    gen = spec["paths"]["/generate"]["post"]
+    assert gen["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/GenerateRequest")
+    assert "GenerateParameters" in spec["components"]["schemas"]
+    assert "422" in gen["responses"] and "429" in gen["responses"]
+    page = httpx.get(f"{url}/docs")
+    assert page.status_code == 200 and "openapi.json" in page.text
+
+
+def test_huggingface_hub_inference_client(server):
+    from huggingface_hub import InferenceClient
+
+    url, _ = server
+    client = InferenceClient(base_url=url)
+    out = client.text_generation("hello world", max_new_tokens=6, details=True)
+    assert out.details.generated_tokens == 6 and len(out.details.tokens) == 6
+    assert out.generated_text == generate(url, max_new_tokens=6).json()["generated_text"]
+    pieces = list(client.text_generation("hello world", max_new_tokens=6, stream=True))
+    assert "".join(pieces) == out.generated_text
+    chat = client.chat_completion([{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 5
+
+
+def test_32_concurrent_streams_match_solo_greedy(server):
+    url, app = server
+    prompts = [f"concurrent prompt number {i} " + "x" * (i % 7) for i in range(32)]
+    solo = [generate(url, p, max_new_tokens=16).json()["generated_text"] for p in prompts]
+
+    async def stream(client, prompt):
+        text = ""
+        async with client.stream("POST", f"{url}/generate_stream",
+                                 json={"inputs": prompt, "parameters": {"max_new_tokens": 16}}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    text += json.loads(line[6:])["token"]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(stream(client, p) for p in prompts))
+
+    assert asyncio.run(main()) == solo
+    kv = kv_of(app)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_health_answers_while_a_batch_computes(server):
+    url, app = server
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            long = [asyncio.create_task(client.post(f"{url}/generate", json={"inputs": "busy " * 20, "parameters": {"max_new_tokens": 200}}))
+                    for _ in range(8)]
+            await asyncio.sleep(0.3)
+            worst = 0.0
+            for _ in range(10):
+                start = time.perf_counter()
+                r = await client.get(f"{url}/health")
+                worst = max(worst, time.perf_counter() - start)
+                assert r.status_code == 200
+            await asyncio.gather(*long)
+            return worst
+
+    # Not a timing assertion on performance: the loop must not be blocked for whole batches.
+    assert asyncio.run(main()) < 2.0
+
+
+def test_overload_gives_exactly_the_limit_and_429s(tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_total_tokens=256, max_concurrent_requests=4) as (url, app):
+
+        async def one(client):
+            return await client.post(f"{url}/generate", json={"inputs": "long " * 10, "parameters": {"max_new_tokens": 200}})
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(one(client) for _ in range(16)))
+
+        responses = asyncio.run(main())
+        codes = sorted(r.status_code for r in responses)
+        assert codes == [200] * 4 + [429] * 12
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+            else:
+                assert len(r.json()["generated_text"]) > 0
+        assert generate(url, max_new_tokens=3).status_code == 200
+
+
+def test_disconnected_streams_free_their_blocks(server):
+    url, app = server
+
+    async def cut(client, i):
+        async with client.stream("POST", f"{url}/generate_stream",
+                                 json={"inputs": f"cut {i}", "parameters": {"max_new_tokens": 200}}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 3:
+                        return  # leaving the block closes the connection mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(cut(client, i) for i in range(20)))
+
+    asyncio.run(main())
+    kv = kv_of(app)
+    deadline = time.time() + 10
+    while time.time() < deadline and (kv.num_free_blocks != kv.num_blocks or app.state.service.num_in_flight):
+        time.sleep(0.05)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert app.state.service.num_in_flight == 0
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _post(url, path, content, headers=None):
+    return httpx.post(f"{url}{path}", content=content, headers=headers or {"content-type": "application/json"}, timeout=60)
+
+
+J = json.dumps
+BAD_INPUTS = [
+    # (name, path, raw body, headers, status, error_type)
+    ("malformed json", "/generate", b'{"inputs": "x"', None, 400, "bad_request"),
+    ("not utf-8", "/generate", b'{"inputs": "\xff\xfe"}', None, 400, "bad_request"),
+    ("empty body", "/generate", b"", None, 400, "bad_request"),
+    ("body is a list", "/generate", J(["x"]).encode(), None, 422, "validation"),
+    ("missing inputs", "/generate", J({"parameters": {}}).encode(), None, 422, "validation"),
+    ("inputs not a string", "/generate", J({"inputs": 5}).encode(), None, 422, "validation"),
+    ("inputs null", "/generate", J({"inputs": None}).encode(), None, 422, "validation"),
+    ("empty inputs", "/generate", J({"inputs": ""}).encode(), None, 422, "validation"),
+    ("unknown top-level field", "/generate", J({"inputs": "x", "foo": 1}).encode(), None, 422, "validation"),
+    ("unknown parameter", "/generate", J({"inputs": "x", "parameters": {"bogus": 1}}).encode(), None, 422, "validation"),
+    ("parameters not an object", "/generate", J({"inputs": "x", "parameters": 3}).encode(), None, 422, "validation"),
+    ("max_new_tokens string", "/generate", J({"inputs": "x", "parameters": {"max_new_tokens": "5"}}).encode(), None, 422, "validation"),
+    ("max_new_tokens zero", "/generate", J({"inputs": "x", "parameters": {"max_new_tokens": 0}}).encode(), None, 422, "validation"),
+    ("max_new_tokens negative", "/generate", J({"inputs": "x", "parameters": {"max_new_tokens": -4}}).encode(), None, 422, "validation"),
+    ("max_new_tokens huge", "/generate", J({"inputs": "x", "parameters": {"max_new_tokens": 10**12}}).encode(), None, 422, "validation"),
+    ("max_new_tokens float", "/generate", J({"inputs": "x", "parameters": {"max_new_tokens": 2.5}}).encode(), None, 422, "validation"),
+    ("temperature zero", "/generate", J({"inputs": "x", "parameters": {"temperature": 0}}).encode(), None, 422, "validation"),
+    ("temperature negative", "/generate", J({"inputs": "x", "parameters": {"temperature": -1.0}}).encode(), None, 422, "validation"),
+    ("top_p one", "/generate", J({"inputs": "x", "parameters": {"top_p": 1.0}}).encode(), None, 422, "validation"),
+    ("top_k zero", "/generate", J({"inputs": "x", "parameters": {"top_k": 0}}).encode(), None, 422, "validation"),
+    ("seed negative", "/generate", J({"inputs": "x", "parameters": {"seed": -1}}).encode(), None, 422, "validation"),
+    ("seed too big", "/generate", J({"inputs": "x", "parameters": {"seed": 2**70}}).encode(), None, 422, "validation"),
+    ("do_sample not bool", "/generate", J({"inputs": "x", "parameters": {"do_sample": "yes"}}).encode(), None, 422, "validation"),
+    ("stop not a list", "/generate", J({"inputs": "x", "parameters": {"stop": "a"}}).encode(), None, 422, "validation"),
+    ("too many stops", "/generate", J({"inputs": "x", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}).encode(), None, 422, "validation"),
+    ("prompt too long", "/generate", J({"inputs": "x" * 400}).encode(), None, 422, "validation"),
+    ("truncate too big", "/generate", J({"inputs": "x", "parameters": {"truncate": 10_000}}).encode(), None, 422, "validation"),
+    ("grammar not yet", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}).encode(), None, 422, "validation"),
+    ("watermark not yet", "/generate", J({"inputs": "x", "parameters": {"watermark": True}}).encode(), None, 422, "validation"),
+    ("best_of not yet", "/generate", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
+    ("top_n_tokens not yet", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 3}}).encode(), None, 422, "validation"),
+    ("adapter_id not yet", "/generate", J({"inputs": "x", "parameters": {"adapter_id": "lora"}}).encode(), None, 422, "validation"),
+    ("repetition_penalty not yet", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": 1.3}}).encode(), None, 422, "validation"),
+    ("10 MB body", "/generate", b'{"inputs": "' + b"x" * 10_000_000 + b'"}', None, 413, "payload_too_large"),
+    ("text/plain content type", "/generate", J({"inputs": "x"}).encode(), {"content-type": "text/plain"}, 415, "unsupported_media_type"),
+    ("form content type", "/generate_stream", b"inputs=x", {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
+    ("stream: bad parameter", "/generate_stream", J({"inputs": "x", "parameters": {"top_k": -3}}).encode(), None, 422, "validation"),
+    ("compat: stream not bool", "/", J({"inputs": "x", "stream": "true"}).encode(), None, 422, "validation"),
+    ("tokenize: missing inputs", "/tokenize", J({}).encode(), None, 422, "validation"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, headers, status, error_type", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_its_status_and_json_body(server, name, path, body, headers, status, error_type):
+    url, _ = server
+    r = _post(url, path, body, headers)
+    assert r.status_code == status, r.text
+    payload = r.json()
+    assert set(payload) == {"error", "error_type"} and payload["error_type"] == error_type
+    assert isinstance(payload["error"], str) and payload["error"]
+    # the server still serves the next request
+    assert generate(url, max_new_tokens=2).status_code == 200
+
+
+def test_unknown_route_and_method_are_json(server):
+    url, _ = server
+    r = httpx.get(f"{url}/nope")
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+    r = httpx.get(f"{url}/generate")
+    assert r.status_code == 405 and r.json()["error_type"] == "method_not_allowed"
