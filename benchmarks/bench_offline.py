@@ -79,6 +79,7 @@ def run_hf(model_dir: str, prompt_ids: list[list[int]], max_tokens: int, dtype: 
             new = out[:, width:]
             tokens += new.numel()
             results.extend(new.tolist())
+            print(f"  transformers batch {b // batch_size + 1}: {tokens} tokens, {time.perf_counter() - start:.0f} s", flush=True)
     return tokens, time.perf_counter() - start, results
 
 
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-dtype", default=None, help="dtype for transformers (default: same as --dtype)")
+    parser.add_argument("--also-hf-float32", action="store_true",
+                        help="also time transformers in float32 (a reference for the CPU's bf16 handling)")
     parser.add_argument("--output", default="benchmarks/results/offline.json")
     args = parser.parse_args()
 
@@ -122,6 +125,13 @@ def main() -> None:
     ratio = e_tps / h_tps
     same = sum(a == b for a, b in zip(e_out, h_out))
     print(f"ratio ember/transformers: {ratio:.2f}x; identical greedy outputs: {same}/{len(e_out)}")
+    extra = None
+    if args.also_hf_float32 and hf_dtype != "float32":
+        f_tokens, f_time, _ = run_hf(model_dir, prompt_ids, args.max_tokens, "float32", args.hf_batch_size, pad_id)
+        extra = {"dtype": "float32", "tokens": f_tokens, "seconds": f_time, "tokens_per_s": f_tokens / f_time,
+                 "ratio": e_tps / (f_tokens / f_time)}
+        print(f"transformers (float32, static batches of {args.hf_batch_size}): {f_tokens / f_time:.1f} tokens/s; "
+              f"ratio ember/transformers-fp32: {extra['ratio']:.2f}x")
 
     result = {
         "benchmark": "offline_throughput",
@@ -133,6 +143,7 @@ def main() -> None:
         "transformers": {"dtype": hf_dtype, "batch_size": args.hf_batch_size, "tokens": h_tokens,
                          "seconds": h_time, "tokens_per_s": h_tps},
         "ratio": ratio,
+        "transformers_float32": extra,
         "identical_greedy_outputs": same,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

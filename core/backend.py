@@ -95,6 +95,11 @@ class BaseBackend(ABC):
         a storage dtype may upcast (and must document it)."""
         return dtype
 
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache is stored in for a model loaded in ``dtype``
+        (default: the same)."""
+        return dtype
+
     @abstractmethod
     def kv_cache_memory_bytes(self, model_bytes: int) -> int:
         """Default memory budget for the KV cache, given the loaded weights' size."""

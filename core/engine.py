@@ -91,7 +91,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
 
         spec = self.model.kv_cache_spec
-        bytes_per_token = spec.bytes_per_token(self.dtype)
+        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype)
+        bytes_per_token = spec.bytes_per_token(self.kv_dtype)
         block_size = config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -106,13 +107,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len), self.kv_manager
         )
-        self.runner = ModelRunner(self.model, self.backend, attention, num_blocks, block_size, self.dtype, config.seed)
+        self.runner = ModelRunner(self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed)
         self._states: dict[str, _RequestState] = {}
         self._counter = itertools.count()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
             num_blocks, block_size, num_blocks * block_size,
-            num_blocks * block_size * bytes_per_token / 2**20, self.dtype,
+            num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
         )
 
     @property

@@ -65,7 +65,8 @@ class Sampler:
             sub = logits[greedy]
             ids = sub.argmax(dim=-1)
             out[greedy] = ids
-            logprobs[greedy] = sub.log_softmax(dim=-1).gather(-1, ids[:, None])[:, 0]
+            # log p(id) = logit(id) - logsumexp(logits): no full log-softmax per step
+            logprobs[greedy] = sub.gather(-1, ids[:, None])[:, 0] - sub.logsumexp(dim=-1)
         if sampled:
             sub = logits[sampled]
             temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32)
