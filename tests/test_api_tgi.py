@@ -282,3 +282,28 @@ def test_unknown_route_and_method_are_json(server):
     assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     r = httpx.get(f"{url}/generate")
     assert r.status_code == 405 and r.json()["error_type"] == "method_not_allowed"
+
+
+def test_a_failing_step_becomes_an_error_event_and_the_server_lives_on(tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_total_tokens=256) as (url, app):
+        runner = app.state.service.engine.engine.runner
+        real_execute = runner.execute
+        calls = {"n": 0}
+
+        def flaky(scheduler_output):
+            calls["n"] += 1
+            if calls["n"] == 3:  # mid-stream: after the prefill and one decode step
+                raise RuntimeError("simulated device failure")
+            return real_execute(scheduler_output)
+
+        runner.execute = flaky
+        r = httpx.post(f"{url}/generate_stream", json={"inputs": "doomed", "parameters": {"max_new_tokens": 20}}, timeout=60)
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1]["error_type"] == "generation" and "simulated device failure" in events[-1]["error"]
+        assert all("token" in e for e in events[:-1])
+        runner.execute = real_execute
+        assert generate(url, max_new_tokens=3).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+        kv = kv_of(app)
+        assert kv.num_free_blocks == kv.num_blocks
