@@ -11,6 +11,8 @@ import torch
 from ember.backend import BaseBackend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
+from ember.logits_pipeline import LogitsPipeline
+from ember.logits_processor import LogitsProcessorContext
 from ember.model_loader import load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
 from ember.outputs import CompletionOutput, RequestOutput
@@ -107,7 +109,15 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len), self.kv_manager
         )
-        self.runner = ModelRunner(self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed)
+        # Processors are resolved once, here; per step the runner calls them directly.
+        self.logits_pipeline = LogitsPipeline.from_registry(
+            self.plugin_manager.registries.logits_processors,
+            LogitsProcessorContext(self.hf_config.vocab_size, self.eos_token_ids, self.tokenizer),
+        )
+        self.runner = ModelRunner(
+            self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,
+            self.logits_pipeline,
+        )
         self._states: dict[str, _RequestState] = {}
         self._counter = itertools.count()
         logger.info(
@@ -132,11 +142,13 @@ class LLMEngine:
         """Tokenize and check a request without changing any state (safe from any thread).
 
         Returns the prompt's token ids. Raises ValueError for an empty prompt, token ids
-        outside the vocabulary, a prompt longer than the context, or a request larger
-        than the whole KV cache.
+        outside the vocabulary, a prompt longer than the context, a request larger
+        than the whole KV cache, or sampling parameters a logits processor refuses
+        (or whose processor is not loaded).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.logits_pipeline.validate(params)
         if prompt_token_ids is None:
             if prompt is None or (isinstance(prompt, str) and not prompt):
                 raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")

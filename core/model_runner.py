@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.logits_pipeline import LogitsPipeline
+from ember.logits_processor import SamplingRow
 from ember.models.base import BaseCausalLM
-from ember.sampler import Sampler, SamplingRow
+from ember.sampler import Sampler
 from ember.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler.
+    """Owns the model, the KV cache tensors, the logits pipeline and the sampler.
 
     The KV cache is one tensor per layer, ``(2, num_blocks, block_size, num_kv_heads,
     head_dim)`` in the model's storage dtype, allocated once.
@@ -26,6 +28,7 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype,
         seed: int | None = None,
+        logits_pipeline: LogitsPipeline | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -36,12 +39,14 @@ class ModelRunner:
             torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=backend.device)
             for _ in range(spec.num_layers)
         ]
+        self.logits_pipeline = logits_pipeline or LogitsPipeline([])
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self.sampler.free(request_id)
+            self.logits_pipeline.remove_request(request_id)
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput([], [])
@@ -59,7 +64,10 @@ class ModelRunner:
                 request = item.request
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(
-                    SamplingRow(request.request_id, request.sampling_params, request.num_output_tokens, request.eos_token_ids)
+                    SamplingRow(
+                        request.request_id, request.sampling_params, request.prompt_token_ids,
+                        request.output_token_ids, request.eos_token_ids,
+                    )
                 )
         metadata = self.attention.prepare(slices, self.block_size, device)
         hidden = self.model(
@@ -72,7 +80,9 @@ class ModelRunner:
         logprobs: list[float] = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-            sampled = self.sampler(logits.cpu(), sampling)
+            # The pipeline may change the logits in place: they are this step's own.
+            processed = self.logits_pipeline(logits.cpu(), sampling)
+            sampled = self.sampler(processed, sampling)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         ids_iter, lp_iter = iter(token_ids), iter(logprobs)
         return ModelRunnerOutput(

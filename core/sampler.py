@@ -1,5 +1,7 @@
-"""Turn float32 logits of a whole batch into token ids: greedy, temperature, top-k,
-top-p, min_tokens, each request with its own generator when it has a seed."""
+"""Turn processed float32 logits of a whole batch into token ids: greedy rows take the
+argmax, sampled rows draw from the softmax, each request with its own generator when
+it has a seed. Temperature, truncation, penalties and bans happen before, in the
+:class:`ember.logits_pipeline.LogitsPipeline`."""
 
 from __future__ import annotations
 
@@ -7,17 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.sampling_params import SamplingParams
+from ember.logits_processor import SamplingRow
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
-    """What the sampler needs of one request in the batch."""
-
-    request_id: str
-    params: SamplingParams
-    num_output_tokens: int
-    eos_token_ids: tuple[int, ...]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,74 +46,32 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """``logits``: (len(rows), vocab) float32; one token id per row, and its
-        log-probability under the distribution it was drawn from (after temperature,
-        top-k and top-p; the raw distribution for greedy rows)."""
+        """``logits``: (len(rows), vocab) float32, already processed by the logits
+        pipeline. One token id per row, and its log-probability under the distribution
+        it was drawn from (the processed one; for greedy rows, the logits after the
+        processors that are not argmax-invariant: the raw distribution unless
+        penalties, biases or bans apply)."""
         assert logits.shape[0] == len(rows)
-        logits = self._apply_min_tokens(logits, rows)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         out = torch.empty(len(rows), dtype=torch.int64)
         logprobs = torch.empty(len(rows), dtype=torch.float32)
         if greedy:
-            sub = logits[greedy]
+            sub = logits[greedy] if len(greedy) < len(rows) else logits
             ids = sub.argmax(dim=-1)
             out[greedy] = ids
             # log p(id) = logit(id) - logsumexp(logits): no full log-softmax per step
             logprobs[greedy] = sub.gather(-1, ids[:, None])[:, 0] - sub.logsumexp(dim=-1)
         if sampled:
-            sub = logits[sampled]
-            temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32)
-            sub = sub / temps[:, None]
-            sub = apply_top_k_top_p(
-                sub,
-                [rows[i].params.top_k for i in sampled],
-                [rows[i].params.top_p for i in sampled],
-            )
+            sub = logits[sampled] if len(sampled) < len(rows) else logits
             probs = sub.softmax(dim=-1)
-            log_probs = sub.log_softmax(dim=-1)
+            log_z = sub.logsumexp(dim=-1)
             for j, i in enumerate(sampled):
-                # Exponential race: argmax(p / E), E ~ Exp(1), is a sample from p.
+                # Exponential race: argmax(p / E), E ~ Exp(1), is a sample from p. Each
+                # row draws from its own generator (or the shared one), one row at a
+                # time, so a seeded row's draws never depend on its batch mates.
                 noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(rows[i]))
                 token = (probs[j] / noise).argmax()
                 out[i] = token
-                logprobs[i] = log_probs[j, token]
+                logprobs[i] = sub[j, token] - log_z[j]
         return SamplerOutput(out.tolist(), logprobs.tolist())
-
-    @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        for i, r in enumerate(rows):
-            if r.num_output_tokens < r.params.min_tokens:
-                ids = set(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    ids.update(r.eos_token_ids)
-                ids = [t for t in ids if t < logits.shape[1]]
-                banned_rows.extend([i] * len(ids))
-                banned_ids.extend(ids)
-        if banned_rows:
-            logits = logits.clone()
-            logits[banned_rows, banned_ids] = float("-inf")
-        return logits
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p) to -inf."""
-    vocab = logits.shape[-1]
-    use_k = any(0 < k < vocab for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if use_k:
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.int64)
-        kth = sorted_logits.gather(-1, (vocab - ks).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if use_p:
-        ps = torch.tensor(top_p, dtype=torch.float32)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        mask = cumulative <= (1.0 - ps).unsqueeze(1)
-        mask[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

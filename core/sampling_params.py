@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+# Names of the built-in logits processors that the standard fields switch on (see
+# `SamplingParams.logits_processor_names`); a key of `extra` may not take them.
+BUILTIN_PROCESSOR_NAMES = (
+    "logit_bias", "repetition_penalty", "frequency_presence_penalty", "bad_words", "min_tokens",
+    "temperature", "top_k", "top_p", "min_p", "typical_p",
+)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -16,6 +34,15 @@ class SamplingParams:
     `min_tokens` suppresses EOS and stop tokens until that many were produced.
     `stop` strings end generation when they appear in the text; the text is cut
     before the stop string unless `include_stop_str_in_output`.
+
+    Logits processors (docs/sampling.md has the full reference): `typical_p` in
+    (0, 1] (1 disables), `min_p` in [0, 1] (0 disables), `repetition_penalty` > 0
+    (1 disables; transformers' semantics over prompt and output tokens),
+    `frequency_penalty` and `presence_penalty` in [-2, 2] (OpenAI's semantics over
+    output tokens), `logit_bias` {token id: bias added to its logit},
+    `bad_words_token_ids` token-id sequences never to generate (a one-token
+    sequence bans that token). `extra` switches on third-party processors: each key
+    names a registered processor, its value is that processor's parameters.
     """
 
     temperature: float = 1.0
@@ -29,6 +56,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Derived in __post_init__: the logits processors this request runs through.
+    logits_processor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
@@ -36,7 +73,17 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
+        for name in ("logit_bias", "extra"):
+            value = getattr(self, name) or {}
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{name} must be a dict, got {value!r}")
+            object.__setattr__(self, name, dict(value))  # a copy: the caller's dict may change
+        words = self.bad_words_token_ids or ()
+        if not isinstance(words, (list, tuple)) or any(not isinstance(w, (list, tuple)) for w in words):
+            raise ValueError(f"bad_words_token_ids must be a list of token-id lists, got {words!r}")
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
         self.validate()
+        object.__setattr__(self, "logits_processor_names", self._processor_names())
 
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range value."""
@@ -48,9 +95,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
@@ -62,6 +109,56 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {token_id!r}")
+        self._validate_processor_fields()
+
+    def _validate_processor_fields(self) -> None:
+        if not _is_number(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_token_id(token_id):
+                raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {token_id!r}")
+            if not _is_number(bias):
+                raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+        for word in self.bad_words_token_ids:
+            if not word or not all(_is_token_id(t) for t in word):
+                raise ValueError(
+                    f"bad_words_token_ids must hold non-empty lists of non-negative token ids, got {list(word)!r}"
+                )
+        for key in self.extra:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"extra keys must be non-empty logits-processor names, got {key!r}")
+            if key in BUILTIN_PROCESSOR_NAMES:
+                raise ValueError(f"extra key {key!r} names a built-in processor; use its sampling parameter instead")
+
+    def _processor_names(self) -> tuple[str, ...]:
+        """Built-in processors switched on by the standard fields, then `extra`'s keys.
+
+        Greedy requests ignore temperature and the truncations (as transformers'
+        `generate` applies its warpers only when sampling): typical-p may drop the
+        most likely token, which greedy decoding must not see.
+        """
+        is_sampling = not self.is_greedy
+        is_on = {
+            "logit_bias": bool(self.logit_bias),
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "frequency_presence_penalty": self.frequency_penalty != 0.0 or self.presence_penalty != 0.0,
+            "bad_words": bool(self.bad_words_token_ids),
+            "min_tokens": self.min_tokens > 0,
+            "temperature": is_sampling and self.temperature != 1.0,
+            "top_k": is_sampling and self.top_k > 0,
+            "top_p": is_sampling and self.top_p < 1.0,
+            "min_p": is_sampling and self.min_p > 0.0,
+            "typical_p": is_sampling and self.typical_p < 1.0,
+        }
+        return tuple(name for name in BUILTIN_PROCESSOR_NAMES if is_on[name]) + tuple(self.extra)
 
     @property
     def is_greedy(self) -> bool:

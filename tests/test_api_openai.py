@@ -157,6 +157,41 @@ def test_same_seed_same_text(client):
     assert sample(-5) == sample(-5)  # OpenAI seeds are signed
 
 
+def test_penalties_logit_bias_and_vllm_extensions(client, server):
+    service = server.app.state.service
+    [x_id] = service.encode("x", add_special_tokens=False)
+    # a +100 bias makes greedy decoding pick the token every time
+    forced = greedy_completion(client, max_tokens=5, logit_bias={str(x_id): 100})
+    assert forced.choices[0].text == "xxxxx"
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=4,
+                                          logit_bias={str(x_id): 100})
+    assert chat.choices[0].message.content == "xxxx"
+    # ...and presence/frequency penalties push back against repeating it
+    unpushed = greedy_completion(client, max_tokens=5, logit_bias={str(x_id): 8})
+    pushed = greedy_completion(client, max_tokens=5, logit_bias={str(x_id): 8}, frequency_penalty=2.0,
+                               presence_penalty=2.0)
+    assert unpushed.choices[0].text == "xxxxx" and pushed.choices[0].text.count("x") < 5
+    plain = greedy_completion(client, max_tokens=12).choices[0].text
+    assert greedy_completion(client, max_tokens=12, presence_penalty=0, frequency_penalty=0).choices[0].text == plain
+    # vLLM's extra sampling fields through the SDK's extra_body: top_k=1 sampling is greedy
+    penalized = greedy_completion(client, max_tokens=12, extra_body={"repetition_penalty": 1.8}).choices[0].text
+    assert penalized != plain
+    sampled = client.completions.create(model="m", prompt=PROMPT, temperature=1.0, max_tokens=12, seed=5,
+                                        extra_body={"top_k": 1, "min_p": 0.05, "repetition_penalty": 1.8})
+    assert sampled.choices[0].text == penalized
+
+
+def test_extra_switches_on_a_plugin_processor(client, server):
+    engine = server.app.state.service.engine.engine
+    if "ban_digits" not in engine.logits_pipeline.names:
+        pytest.skip("the example plugin is not installed: pip install ./examples/ember-legacy-llama")
+    digits = {str(i): 30 for i in server.app.state.service.encode("0123456789", add_special_tokens=False)}
+    text = greedy_completion(client, max_tokens=8, logit_bias=digits).choices[0].text
+    assert text.isdigit()
+    banned = greedy_completion(client, max_tokens=8, logit_bias=digits, extra_body={"extra": {"ban_digits": True}})
+    assert banned.choices[0].text and not any(c.isdigit() for c in banned.choices[0].text)
+
+
 # -- /v1/chat/completions ------------------------------------------------------------------
 def test_chat_completion(client, server):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_completion_tokens=9)
@@ -261,8 +296,19 @@ ERRORS = [
     ("best_of", "/v1/completions", {**COMPLETION, "best_of": 2}, 422, "best_of"),
     ("completion logprobs", "/v1/completions", {**COMPLETION, "logprobs": 1}, 422, "logprobs"),
     ("chat logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, 422, "logprobs"),
-    ("presence_penalty", "/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, 422, "presence_penalty"),
-    ("logit_bias", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1.0}}, 422, "logit_bias"),
+    ("presence_penalty 3", "/v1/completions", {**COMPLETION, "presence_penalty": 3}, 422, "presence_penalty"),
+    ("frequency_penalty -2.5", "/v1/chat/completions", {**CHAT, "frequency_penalty": -2.5}, 422, "frequency_penalty"),
+    ("logit_bias non-integer key", "/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1.0}}, 422, "logit_bias"),
+    ("logit_bias negative key", "/v1/completions", {**COMPLETION, "logit_bias": {"-5": 1.0}}, 422, "logit_bias"),
+    ("logit_bias out of vocab", "/v1/completions", {**COMPLETION, "logit_bias": {"99999": 1.0}}, 422, "logit_bias"),
+    ("logit_bias bias 101", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ("logit_bias bias not a number", "/v1/completions", {**COMPLETION, "logit_bias": {"5": "high"}}, 422,
+     "logit_bias.5"),
+    ("top_k -2", "/v1/completions", {**COMPLETION, "top_k": -2}, 422, "top_k"),
+    ("min_p 1.5", "/v1/chat/completions", {**CHAT, "min_p": 1.5}, 422, "min_p"),
+    ("repetition_penalty 0", "/v1/completions", {**COMPLETION, "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ("extra names a built-in", "/v1/completions", {**COMPLETION, "extra": {"top_k": 2}}, 422, None),
+    ("extra names no processor", "/v1/chat/completions", {**CHAT, "extra": {"no_such": True}}, 422, None),
     ("suffix", "/v1/completions", {**COMPLETION, "suffix": "end"}, 422, "suffix"),
     ("json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format"),
     ("tools", "/v1/chat/completions",

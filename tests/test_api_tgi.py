@@ -75,6 +75,25 @@ def test_stop_sequences_and_seeds(server):
     assert isinstance(unseeded["details"]["seed"], int)
 
 
+def test_penalties_and_typical_p_work(server):
+    url, _ = server
+    prompt = "hello hello hello"
+    plain = generate(url, prompt, max_new_tokens=16).json()["generated_text"]
+    # neutral values are the plain request
+    assert generate(url, prompt, max_new_tokens=16, repetition_penalty=1.0, frequency_penalty=0.0).json() == {
+        "generated_text": plain
+    }
+    for parameters in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        r = generate(url, prompt, max_new_tokens=16, **parameters)
+        assert r.status_code == 200, r.text
+        assert r.json()["generated_text"] != plain, parameters
+    # typical_p implies sampling (as in TGI): a seed is reported and reproduces the text
+    a = generate(url, prompt, max_new_tokens=12, typical_p=0.5, details=True).json()
+    assert isinstance(a["details"]["seed"], int)
+    b = generate(url, prompt, max_new_tokens=12, typical_p=0.5, seed=a["details"]["seed"]).json()
+    assert b["generated_text"] == a["generated_text"]
+
+
 def test_compat_route_tokenize_info_health_models(server):
     url, _ = server
     r = httpx.post(f"{url}/", json={"inputs": "compat", "parameters": {"max_new_tokens": 5}}, timeout=60)
@@ -254,7 +273,14 @@ BAD_INPUTS = [
     ("best_of not yet", "/generate", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
     ("top_n_tokens not yet", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 3}}).encode(), None, 422, "validation"),
     ("adapter_id not yet", "/generate", J({"inputs": "x", "parameters": {"adapter_id": "lora"}}).encode(), None, 422, "validation"),
-    ("repetition_penalty not yet", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": 1.3}}).encode(), None, 422, "validation"),
+    ("repetition_penalty zero", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": 0}}).encode(), None, 422, "validation"),
+    ("repetition_penalty negative", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": -1.5}}).encode(), None, 422, "validation"),
+    ("typical_p 1.5", "/generate", J({"inputs": "x", "parameters": {"typical_p": 1.5}}).encode(), None, 422, "validation"),
+    ("typical_p one", "/generate", J({"inputs": "x", "parameters": {"typical_p": 1.0}}).encode(), None, 422, "validation"),
+    ("frequency_penalty 3", "/generate", J({"inputs": "x", "parameters": {"frequency_penalty": 3.0}}).encode(), None, 422, "validation"),
+    ("extra names a built-in", "/generate", J({"inputs": "x", "parameters": {"extra": {"top_k": 2}}}).encode(), None, 422, "validation"),
+    ("extra names no processor", "/generate", J({"inputs": "x", "parameters": {"extra": {"no_such": True}}}).encode(), None, 422, "validation"),
+    ("extra not an object", "/generate", J({"inputs": "x", "parameters": {"extra": ["ban_digits"]}}).encode(), None, 422, "validation"),
     ("10 MB body", "/generate", b'{"inputs": "' + b"x" * 10_000_000 + b'"}', None, 413, "payload_too_large"),
     ("text/plain content type", "/generate", J({"inputs": "x"}).encode(), {"content-type": "text/plain"}, 415, "unsupported_media_type"),
     ("form content type", "/generate_stream", b"inputs=x", {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),

@@ -82,11 +82,6 @@ def check_not_yet(body: oa.SamplingFields) -> None:
     """Fields accepted only at their neutral value until the issue that implements them."""
     if body.n != 1:
         raise not_available("n", "issue 4 (n/best_of)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0.0):
-            raise not_available(name, "issue 4 (penalties)")
-    if body.logit_bias:
-        raise not_available("logit_bias", "issue 4 (logit_bias)")
     if body.stream_options is not None and not body.stream:
         raise validation_error("`stream_options` is only allowed with `stream: true`", "stream_options")
 
@@ -107,10 +102,22 @@ class OpenAIRoutes:
         seed = body.seed
         if seed is not None and seed < 0:
             seed += 2**64  # OpenAI seeds are signed 64-bit; same bits, same stream
+        logit_bias = {int(key): bias for key, bias in (body.logit_bias or {}).items()}
+        vocab = self.service.engine.engine.hf_config.vocab_size
+        bad = next((t for t in logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise validation_error(f"`logit_bias` token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
         try:
             return SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens, seed=seed,
                 stop=tuple(body.stop_list),
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                logit_bias=logit_bias,
+                top_k=body.top_k if body.top_k is not None else -1,
+                min_p=body.min_p or 0.0,
+                repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+                extra=body.extra or {},
             )
         except ValueError as exc:
             raise validation_error(str(exc)) from None

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event
+from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.openapi import documented
 from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
 from ember.api.schemas import tgi
@@ -22,15 +22,12 @@ from ember.sampling_params import SamplingParams
 NOT_YET = {
     "best_of": (None, "issue 4 (n/best_of)"),
     "decoder_input_details": (False, "issue 4 (prompt logprobs)"),
-    "frequency_penalty": (None, "issue 4 (penalties)"),
-    "repetition_penalty": (None, "issue 4 (penalties)"),
-    "typical_p": (None, "issue 4 (typical sampling)"),
     "top_n_tokens": (None, "issue 4 (top tokens)"),
     "grammar": (None, "the grammar-guided decoding issue"),
     "watermark": (False, "the watermark issue"),
     "adapter_id": (None, "a LoRA adapters issue"),
 }
-NEUTRAL = {"best_of": 1, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "top_n_tokens": 0}
+NEUTRAL = {"best_of": 1, "top_n_tokens": 0}
 
 
 def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingParams:
@@ -38,19 +35,29 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
         value = getattr(p, name)
         if value != default and value != NEUTRAL.get(name, default):
             raise not_available(f"parameters.{name}", issue)
-    is_sampling = p.do_sample or p.temperature is not None or p.top_k is not None or p.top_p is not None
+    is_sampling = (
+        p.do_sample or p.temperature is not None or p.top_k is not None or p.top_p is not None
+        or p.typical_p is not None
+    )
     seed = None
     if is_sampling:
         # TGI reports the seed it used, so that a sampled answer can be reproduced.
         seed = p.seed if p.seed is not None else random.getrandbits(63)
-    return SamplingParams(
-        temperature=(p.temperature if p.temperature is not None else 1.0) if is_sampling else 0.0,
-        top_p=p.top_p if p.top_p is not None else 1.0,
-        top_k=p.top_k if p.top_k is not None else -1,
-        max_tokens=max_new_tokens,
-        seed=seed,
-        stop=tuple(p.stop),
-    )
+    try:
+        return SamplingParams(
+            temperature=(p.temperature if p.temperature is not None else 1.0) if is_sampling else 0.0,
+            top_p=p.top_p if p.top_p is not None else 1.0,
+            top_k=p.top_k if p.top_k is not None else -1,
+            max_tokens=max_new_tokens,
+            seed=seed,
+            stop=tuple(p.stop),
+            typical_p=p.typical_p if p.typical_p is not None else 1.0,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+            frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
+            extra=p.extra or {},
+        )
+    except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
+        raise validation_error(str(exc), "parameters") from None
 
 
 def finish_reason(out: RequestOutput, eos_ids: tuple[int, ...]) -> str:

@@ -54,10 +54,40 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
     stop: str | list[str] | None = Field(None, description="up to --max-stop-sequences strings; the text ends before them")
     seed: int | None = Field(None, ge=I64_MIN, le=U64_MAX, description="same seed, same request: same text")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 for now (issue 4)")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 for now (issue 4)")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty for now (issue 4)")
+    presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted once from the logit of every token generated so far"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted from a token's logit once per time it was generated"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description='token id (a string key, as JSON has them) -> bias in [-100, 100] added to its logit'
+    )
     user: str | None = Field(None, description="accepted and ignored")
+    # Beyond OpenAI's API, as vLLM accepts them (the openai SDK sends them through `extra_body`):
+    top_k: int | None = Field(None, ge=-1, description="extension: keep the k most likely tokens; -1 or 0 disables")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension: drop tokens below min_p x the top probability")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="extension: transformers' repetition penalty over prompt and output; 1 is none"
+    )
+    extra: dict[str, Any] | None = Field(
+        None, description="extension: third-party logits processors by name, each with its parameters"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise PydanticCustomError(
+                    "logit_bias_key", "keys must be token ids (non-negative integers), got {key!r}", {"key": key}
+                )
+            if not -100.0 <= bias <= 100.0:
+                raise PydanticCustomError(
+                    "logit_bias_value", "biases must be in [-100, 100], got {bias} for token {key}",
+                    {"bias": bias, "key": key},
+                )
+        return value
 
     @field_validator("stop", mode="wrap")
     @classmethod

@@ -18,10 +18,17 @@ class GenerateParameters(Strict):
     decoder_input_details: bool = Field(False, description="not available yet (issue 4)")
     details: bool = Field(False, description="return finish reason, tokens and their logprobs")
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
-    frequency_penalty: float | None = Field(None, description="not available yet (issue 4)")
+    extra: dict[str, Any] | None = Field(
+        None, description="Ember extension: third-party logits processors by name, each with its parameters"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtract penalty x count of each token generated so far (OpenAI semantics)"
+    )
     grammar: Any | None = Field(None, description="not available yet (grammar issue)")
     max_new_tokens: int | None = Field(None, ge=1, description="default: what --max-total-tokens leaves")
-    repetition_penalty: float | None = Field(None, description="not available yet (issue 4)")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="> 0; 1.0 is none; divides (or multiplies, if negative) the logits of seen tokens"
+    )
     return_full_text: bool | None = Field(False, description="prepend the prompt to generated_text")
     seed: int | None = Field(None, ge=0, le=U64_MAX)
     stop: list[str] = Field(default_factory=list, description="stop sequences (at most --max-stop-sequences)")
@@ -30,7 +37,7 @@ class GenerateParameters(Strict):
     top_n_tokens: int | None = Field(None, ge=0, description="not available yet (issue 4)")
     top_p: float | None = Field(None, gt=0.0, lt=1.0)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
-    typical_p: float | None = Field(None, description="not available yet (issue 4)")
+    typical_p: float | None = Field(None, gt=0.0, lt=1.0, description="locally typical sampling mass; implies sampling")
     watermark: bool = Field(False, description="not available yet (watermark issue)")
     adapter_id: str | None = Field(None, description="not available yet")
 

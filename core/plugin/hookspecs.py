@@ -46,7 +46,13 @@ def ember_register_model_architectures(registry: Registry) -> None:
 
 @hookspec
 def ember_register_logits_processors(registry: Registry) -> None:
-    """Register logits processors by name (contract filled by a later issue)."""
+    """Register logits processors: ``registry.register(MyProcessor.name, MyProcessor)``.
+
+    Values are subclasses of :class:`ember.logits_processor.BaseLogitsProcessor`,
+    registered under their ``name``; the engine builds one instance of each
+    (``cls(LogitsProcessorContext)``) when it starts. A request switches a
+    third-party processor on with ``SamplingParams(extra={name: parameters})``.
+    """
 
 
 @hookspec

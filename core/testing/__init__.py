@@ -1,9 +1,11 @@
 """Conformance checks a plugin author runs against their own implementation.
 
-    from ember.testing import check_backend
+    from ember.testing import check_backend, check_logits_processor
     check_backend(MyBackend)   # AssertionError naming the first broken rule
+    check_logits_processor(MyProcessor, [SamplingParams(extra={"my_processor": 1})])
 """
 
 from ember.testing.backend_conformance import check_attention, check_backend, check_backend_basics
+from ember.testing.logits_processor_conformance import check_logits_processor
 
-__all__ = ["check_attention", "check_backend", "check_backend_basics"]
+__all__ = ["check_attention", "check_backend", "check_backend_basics", "check_logits_processor"]

@@ -1,9 +1,11 @@
-"""Map the architecture name of early converted Llama checkpoints to Ember's Llama.
+"""The example plugin's hooks: an architecture name and a logits processor.
 
-Checkpoints converted with the first Hugging Face Llama scripts carry
-``"architectures": ["LLaMAForCausalLM"]`` in config.json. Their weights and config
-fields are those of ``LlamaForCausalLM`` (vLLM maps both names to one class), so
-registering the old name for Ember's own model class is all it takes.
+1. Checkpoints converted with the first Hugging Face Llama scripts carry
+   ``"architectures": ["LLaMAForCausalLM"]`` in config.json. Their weights and config
+   fields are those of ``LlamaForCausalLM`` (vLLM maps both names to one class), so
+   registering the old name for Ember's own model class is all it takes.
+2. ``ban_digits`` (see ban_digits.py), a logits processor a request switches on with
+   ``extra={"ban_digits": true}``.
 
 Keep this module cheap to import: Ember imports it whenever it builds its plugin
 manager (``ember plugins`` included).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from ember.models.llama import LlamaForCausalLM
 from ember.plugin import Registry, hookimpl
+from ember_legacy_llama.ban_digits import BanDigits
 
 LEGACY_ARCHITECTURES = ("LLaMAForCausalLM",)
 
@@ -21,3 +24,8 @@ LEGACY_ARCHITECTURES = ("LLaMAForCausalLM",)
 def ember_register_model_architectures(registry: Registry) -> None:
     for name in LEGACY_ARCHITECTURES:
         registry.register(name, LlamaForCausalLM)
+
+
+@hookimpl
+def ember_register_logits_processors(registry: Registry) -> None:
+    registry.register(BanDigits.name, BanDigits)

@@ -1,0 +1,114 @@
+"""Run the registered logits processors over one step's batch, in a fixed order.
+
+The order is each processor's ``order`` (then its name): logit_bias, repetition
+penalty, frequency/presence penalty, bad words, min_tokens and third-party
+adjustments first; then temperature; then the truncations top-k, top-p, min-p and
+typical-p. The sampler draws from what comes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
+from ember.plugin.registry import Registry
+from ember.sampling_params import SamplingParams
+
+
+class LogitsPipeline:
+    """Owns one instance of each processor and which of them each request uses.
+
+    Not thread-safe except :meth:`validate`: the engine thread calls the rest.
+    """
+
+    def __init__(self, processors: Sequence[BaseLogitsProcessor]) -> None:
+        self.processors = sorted(processors, key=lambda p: (p.order, p.name))
+        self._by_name: dict[str, BaseLogitsProcessor] = {}
+        for processor in self.processors:
+            if processor.name in self._by_name:
+                raise ValueError(f"two logits processors are named {processor.name!r}")
+            self._by_name[processor.name] = processor
+        # request id -> positions in `self.processors` it was added to (and runs through)
+        self._active: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def from_registry(cls, registry: Registry, context: LogitsProcessorContext) -> LogitsPipeline:
+        """Build one instance of every registered processor class."""
+        processors = []
+        for name, processor_cls in registry.items():
+            if not (isinstance(processor_cls, type) and issubclass(processor_cls, BaseLogitsProcessor)):
+                raise TypeError(
+                    f"logits processor {name!r} (plugin {registry.owner(name)!r}) is {processor_cls!r}, "
+                    "not a subclass of ember.logits_processor.BaseLogitsProcessor"
+                )
+            if getattr(processor_cls, "name", None) != name:
+                raise ValueError(
+                    f"logits processor registered as {name!r} (plugin {registry.owner(name)!r}) names itself "
+                    f"{getattr(processor_cls, 'name', None)!r}; register it under its `name`"
+                )
+            processors.append(processor_cls(context))
+        return cls(processors)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.processors]
+
+    def validate(self, params: SamplingParams) -> None:
+        """Raise ValueError if a processor the request needs is missing or refuses it."""
+        for name in params.logits_processor_names:
+            processor = self._by_name.get(name)
+            if processor is None:
+                known = ", ".join(sorted(self._by_name)) or "none"
+                what = f"extra[{name!r}]" if name in params.extra else "a sampling parameter"
+                raise ValueError(
+                    f"{what} needs the logits processor {name!r}, which is not loaded "
+                    f"(a plugin disabled or not installed?); loaded: {known}"
+                )
+            processor.validate(params)
+
+    def remove_request(self, request_id: str) -> None:
+        """The request finished or was aborted: its processors drop their state."""
+        for k in self._active.pop(request_id, ()):
+            self.processors[k].remove_request(request_id)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """``logits``: ``(len(rows), vocab)`` float32, owned by the pipeline from now
+        on (it may be changed in place). Returns the processed logits, same shape."""
+        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        rows_of: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            for k in self._processors_of(row):
+                rows_of.setdefault(k, []).append(i)
+        for k in sorted(rows_of):
+            processor, indices = self.processors[k], rows_of[k]
+            if len(indices) == len(rows):
+                logits = processor.apply(logits, rows)
+            else:
+                index = torch.tensor(indices, dtype=torch.int64, device=logits.device)
+                sub = processor.apply(logits.index_select(0, index), [rows[i] for i in indices])
+                logits.index_copy_(0, index, sub)
+            assert logits.shape[0] == len(rows), f"logits processor {processor.name!r} changed the batch size"
+        return logits
+
+    def _processors_of(self, row: SamplingRow) -> tuple[int, ...]:
+        active = self._active.get(row.request_id)
+        if active is None:
+            params = row.params
+            names = params.logits_processor_names
+            missing = [n for n in names if n not in self._by_name]
+            if missing:  # validate() refuses these; a request that skipped it fails here
+                raise ValueError(f"request {row.request_id!r} needs logits processor(s) {missing}, not loaded")
+            active = tuple(
+                k for k, p in enumerate(self.processors)
+                if p.name in names and not (params.is_greedy and p.is_argmax_invariant)
+            )
+            for k in active:
+                self.processors[k].add_request(row.request_id, params, row.prompt_token_ids)
+            self._active[row.request_id] = active
+        return active
