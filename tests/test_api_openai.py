@@ -75,10 +75,14 @@ def test_completion_default_max_tokens_is_16(client):
 def test_null_means_the_default(http):
     nulls = {"stop": None, "seed": None, "n": None, "temperature": None, "max_tokens": None, "user": None,
              "stream_options": None, "logprobs": None}
+    # temperature null means 1.0: unseeded sampling may draw EOS before the length limit
     r = http.post("/v1/completions", json={**COMPLETION, **nulls, "echo": None})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    body = r.json()
+    assert r.status_code == 200 and body["usage"]["completion_tokens"] <= 16
+    if body["usage"]["completion_tokens"] < 16:
+        assert body["choices"][0]["finish_reason"] == "stop"
     r = http.post("/v1/chat/completions", json={**CHAT, **nulls, "max_tokens": 3, "response_format": None, "tools": None})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
     r = http.post("/v1/completions", json={**COMPLETION, "model": None})
     assert r.status_code == 422 and r.json()["error"]["param"] == "model"
 
