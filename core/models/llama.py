@@ -174,9 +174,8 @@ class LlamaForCausalLM(BaseCausalLM):
                 module.load_part(index, kind, tensor)
                 loaded.add(f"layers.{layer}.{block}.{fused}.{kind}#{index}")
                 continue
+            # "model.layers.0..." -> "layers.0..."; "lm_head.weight" stays at the top level
             target = name[len("model.") :] if name.startswith("model.") else name
-            if target.startswith("lm_head.") and self.lm_head is not None:
-                target = target  # lm_head.weight lives at the top level
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
