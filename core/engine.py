@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from ember.config import EngineConfig, SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import LogitsProcessorContext
+from ember.logprobs import Logprob, to_logprob_dict
 from ember.model_loader import load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
 from ember.outputs import CompletionOutput, RequestOutput
@@ -46,6 +47,10 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     text: str = ""  # the output text so far, cut at a stop string
     num_emitted_chars: int = 0  # how much of `text` was streamed already
+    # request.output_top_logprobs / prompt_logprobs in the callers' shape, converted
+    # once per position (not once per step)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
@@ -261,7 +266,13 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_string if request.stop_string is not None else request.stop_token_id,
             token_logprobs=list(request.output_logprobs),
+            logprobs=self._logprobs(state) if request.sampling_params.logprobs is not None else None,
         )
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None:
+            for entry in request.prompt_logprobs[len(state.prompt_logprobs) - 1 :]:
+                state.prompt_logprobs.append(to_logprob_dict(entry, self._decode_token))
+            prompt_logprobs = list(state.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -270,7 +281,16 @@ class LLMEngine:
             finished=request.is_finished,
             new_token_ids=list(new_ids),
             new_text=new_text,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _logprobs(self, state: _RequestState) -> list[dict[int, Logprob]]:
+        for entry in state.request.output_top_logprobs[len(state.logprobs) :]:
+            state.logprobs.append(to_logprob_dict(entry, self._decode_token))
+        return list(state.logprobs)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _notify_finished(self, request: Request) -> None:
         self.plugin_manager.hook.ember_request_finished(

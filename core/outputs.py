@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -17,6 +19,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # log-probability of each generated token under the distribution it was sampled from
     token_logprobs: list[float] = field(default_factory=list)
+    # with SamplingParams.logprobs: per generated token, {token id: Logprob}, the
+    # chosen token first, then the top alternatives by rank; None when not asked
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -38,3 +43,6 @@ class RequestOutput:
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # with SamplingParams.prompt_logprobs: per prompt token, as CompletionOutput.logprobs
+    # (the first is None: nothing precedes it); None when not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

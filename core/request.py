@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ember.logprobs import PositionLogprobs
 from ember.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # filled only when sampling_params.logprobs / prompt_logprobs ask; prompt_logprobs
+    # starts at the second prompt token (the first has no distribution)
+    output_top_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None

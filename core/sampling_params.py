@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.logprobs import MAX_LOGPROBS
+
 # Names of the built-in logits processors that the standard fields switch on (see
 # `SamplingParams.logits_processor_names`); a key of `extra` may not take them.
 BUILTIN_PROCESSOR_NAMES = (
@@ -43,6 +45,10 @@ class SamplingParams:
     `bad_words_token_ids` token-id sequences never to generate (a one-token
     sequence bans that token). `extra` switches on third-party processors: each key
     names a registered processor, its value is that processor's parameters.
+
+    `logprobs=N` returns, per generated token, its logprob and rank and the N most
+    likely alternatives; `prompt_logprobs=N` the same per prompt token (the first
+    has none). Both in [0, MAX_LOGPROBS]; None (the default) costs nothing.
     """
 
     temperature: float = 1.0
@@ -64,6 +70,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Logprobs (docs/sampling.md): alternatives per generated token / per prompt token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Derived in __post_init__: the logits processors this request runs through.
     logits_processor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -110,6 +119,12 @@ class SamplingParams:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {token_id!r}")
         self._validate_processor_fields()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def _validate_processor_fields(self) -> None:
         if not _is_number(self.typical_p) or not 0.0 < self.typical_p <= 1.0:

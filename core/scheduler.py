@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
+from ember.logprobs import PositionLogprobs
 from ember.request import Request, RequestStatus
 
 
@@ -64,6 +65,11 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # log-probability of each sampled token (same shape); empty lists when unknown
     sampled_logprobs: list[list[float]] | None = None
+    # Only for requests whose params ask (empty lists otherwise): each sampled token's
+    # rank and alternatives (same shape as sampled_token_ids), and the prompt
+    # positions this step computed (the logprob of prompt token p + 1 at row p).
+    sampled_top_logprobs: list[list[PositionLogprobs]] | None = None
+    prompt_logprobs: list[list[PositionLogprobs]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,16 +214,24 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish stopped requests."""
         updates: list[RequestUpdate] = []
-        logprobs = runner_output.sampled_logprobs or [[] for _ in runner_output.sampled_token_ids]
-        for item, sampled, sampled_lp in zip(scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs):
+        none = [[] for _ in runner_output.sampled_token_ids]
+        logprobs = runner_output.sampled_logprobs or none
+        top = runner_output.sampled_top_logprobs or none
+        prompt_lps = runner_output.prompt_logprobs or none
+        for item, sampled, sampled_lp, sampled_top, prompt_lp in zip(
+            scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs, top, prompt_lps
+        ):
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
+            request.prompt_logprobs.extend(prompt_lp)
             new_ids: list[int] = []
             for k, token_id in enumerate(sampled):
                 request.output_token_ids.append(token_id)
                 request.output_logprobs.append(sampled_lp[k] if k < len(sampled_lp) else float("nan"))
+                if k < len(sampled_top):
+                    request.output_top_logprobs.append(sampled_top[k])
                 new_ids.append(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
