@@ -63,6 +63,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of shared prompt prefixes
     seed: int | None = None
     disabled_plugins: tuple[str, ...] = ()
     required_plugins: tuple[str, ...] = ()

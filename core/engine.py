@@ -109,7 +109,7 @@ class LLMEngine:
             num_blocks = budget // (bytes_per_token * block_size)
         if num_blocks < 1:
             raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens or max(8192, max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len), self.kv_manager

@@ -1,54 +1,124 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and per-request block tables.
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request block
+tables, and automatic prefix caching.
 
 This module holds no tensors. The cache itself is a per-layer tensor of shape
 `(2, num_blocks, block_size, num_kv_heads, head_dim)` owned by the model runner;
 a token at position `p` of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
+
+Prefix caching: a *full* block is identified by a digest chained from its parent
+block's digest and its own token ids, so equal digests mean equal prefixes. A new
+request reuses every cached block of its prompt by reference count. A block whose
+last user leaves keeps its contents and digest and goes to the back of the free
+queue; it is evicted (forgets its digest) only when the pool hands it out again,
+least recently freed first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_digest(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """sha256 over the parent's digest and the block's token ids (collisions negligible)."""
+    h = hashlib.sha256(parent or b"\0" * 32)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    digest: bytes | None = None  # set once the block is full and registered
+
+
 class BlockPool:
-    """Free list of block ids `0 .. num_blocks - 1`. Freed blocks go to the back."""
+    """Blocks `0 .. num_blocks - 1` with reference counts.
+
+    Invariant: a block is in the free queue iff its ref_count is 0. Free blocks
+    may still hold a cached prefix (their digest is in `cached`) until handed out.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def allocate(self, num: int) -> list[int]:
+        """Hand out `num` free blocks (evicting any prefix they cached)."""
         assert 0 <= num <= len(self._free), "caller must check num_free_blocks first"
-        return [self._free.popleft() for _ in range(num)]
+        out = []
+        for _ in range(num):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.digest is not None:
+                if self.cached.get(block.digest) == block_id:
+                    del self.cached[block.digest]
+                block.digest = None
+            block.ref_count = 1
+            out.append(block_id)
+        return out
 
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on cached blocks (a prefix-cache hit)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference each; blocks that reach 0 join the back of the free queue.
+        Pass a request's blocks tail first, so its last blocks are evicted first."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def register(self, block_id: int, digest: bytes) -> None:
+        """Record that a full block holds the prefix `digest` (first writer wins)."""
+        block = self.blocks[block_id]
+        if block.digest is None and digest not in self.cached:
+            block.digest = digest
+            self.cached[digest] = block_id
 
 
 class KVCacheManager:
     """Owns the block tables of running requests.
 
-    Invariant: every block id is either in the pool's free list or in exactly
-    one request's block table; after all requests are freed the pool is full.
+    Invariant: every block id is in the pool's free queue (ref_count 0) or in the
+    tables of exactly `ref_count` requests; after all requests are freed the pool
+    is full again (cached prefixes stay findable until evicted).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
+        self._digests: dict[str, list[bytes]] = {}  # digests of each request's full blocks
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # prompt tokens found cached
 
     @property
     def num_blocks(self) -> int:
@@ -66,24 +136,78 @@ class KVCacheManager:
         owned = len(self._block_tables.get(request_id, ()))
         return max(0, self.num_blocks_for(num_tokens) - owned)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's table to hold `num_tokens` tokens in total.
+    # -- prefix caching ---------------------------------------------------------
+    def find_cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Block ids caching the longest prefix of the prompt, in order. The last
+        prompt token is never covered: its logits are needed, so it is recomputed."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        found: list[int] = []
+        parent: bytes | None = None
+        for i in range((len(prompt_token_ids) - 1) // bs):
+            parent = block_digest(parent, prompt_token_ids[i * bs : (i + 1) * bs])
+            block_id = self.pool.cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
 
-        Returns the newly added block ids, or None (and changes nothing) if the
+    def count_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these cached blocks sit in the free queue (taking them costs a free block)."""
+        return sum(1 for b in block_ids if self.pool.blocks[b].ref_count == 0)
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_queries += num_prompt_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._block_tables.get(request_id, [])
+        digests = self._digests.setdefault(request_id, [])
+        bs = self.block_size
+        while len(digests) < num_computed_tokens // bs and len(digests) < len(table):
+            i = len(digests)
+            digest = block_digest(digests[-1] if digests else None, token_ids[i * bs : (i + 1) * bs])
+            digests.append(digest)
+            self.pool.register(table[i], digest)
+
+    # -- allocation -----------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Grow the request's table to hold `num_tokens` tokens in total, first with
+        `cached_blocks` (a prefix hit, only for a request that owns no block yet).
+
+        Returns the newly allocated block ids, or None (and changes nothing) if the
         pool has too few free blocks.
         """
-        num_new = self.num_new_blocks_needed(request_id, num_tokens)
-        if num_new > self.pool.num_free_blocks:
+        table = self._block_tables.get(request_id)
+        assert not (cached_blocks and table), "cached blocks only start a table"
+        num_new = max(0, self.num_blocks_for(num_tokens) - len(cached_blocks) - len(table or ()))
+        if num_new + self.count_free_among(cached_blocks) > self.pool.num_free_blocks:
             return None
+        if table is None:
+            table = self._block_tables[request_id] = []
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+            digests = self._digests.setdefault(request_id, [])
+            digests.extend(self.pool.blocks[b].digest for b in cached_blocks)
         new_blocks = self.pool.allocate(num_new)
-        self._block_tables.setdefault(request_id, []).extend(new_blocks)
+        table.extend(new_blocks)
         return new_blocks
 
     def free(self, request_id: str) -> None:
-        """Return every block of the request to the pool; unknown ids are a no-op."""
+        """Drop the request's references (tail first); unknown ids are a no-op."""
         blocks = self._block_tables.pop(request_id, None)
+        self._digests.pop(request_id, None)
         if blocks:
-            self.pool.free(blocks)
+            self.pool.free(blocks[::-1])
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._block_tables.get(request_id, [])

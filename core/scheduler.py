@@ -175,14 +175,23 @@ class Scheduler:
         free_after_reservations = self.kv.num_free_blocks - self._reserved_blocks()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            cached = self._cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - request.num_computed_tokens - num_cached_tokens
             if num_new > budget:
                 break
-            needed = self.kv.num_blocks_for(self.max_tokens_of(request))
+            # worst case minus what the cache already holds, plus the cached blocks
+            # that sit in the free queue (taking them uses up free blocks)
+            needed = (
+                self.kv.num_blocks_for(self.max_tokens_of(request)) - len(cached) + self.kv.count_free_among(cached)
+            )
             if needed > free_after_reservations:
                 break
-            allocated = self.kv.allocate_slots(request.request_id, request.num_tokens)
+            allocated = self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks=cached)
             assert allocated is not None
+            if self.kv.enable_prefix_caching:
+                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
+            request.num_computed_tokens += num_cached_tokens
             free_after_reservations -= needed
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -196,6 +205,15 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=finished,
         )
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks covering the prompt's prefix (none for a request that asks for
+        prompt logprobs: those need the prompt's logits, computed)."""
+        if not self.kv.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return []
+        return self.kv.find_cached_prefix(request.prompt_token_ids)
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -225,6 +243,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
+            if self.kv.enable_prefix_caching:
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
             request.prompt_logprobs.extend(prompt_lp)
             new_ids: list[int] = []
             for k, token_id in enumerate(sampled):

@@ -92,3 +92,30 @@ def test_last_position_logits_match_transformers(tiny):
         ours = _ember_last_logits(engine, prompt)
         diff = (ours - ref).abs().max().item()
         assert diff <= LOGITS_ATOL, f"{kind}: max |logit diff| {diff:.2e} for a prompt of {len(prompt)} tokens"
+
+
+def test_shared_prefixes_through_the_prefix_cache_match_transformers(tiny):
+    """Prompts sharing a long prefix reuse its cached KV blocks (prefill then reads
+    them as context) and still give transformers' greedy tokens."""
+    kind, hf_model, engine = tiny
+    assert engine.kv_manager.enable_prefix_caching
+    gen = torch.Generator().manual_seed(11)
+    system = torch.randint(3, hf_model.config.vocab_size, (37,), generator=gen).tolist()
+    tails = [torch.randint(3, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (1, 2, 5, 9)]
+    prompts = [system + t for t in tails] + [system + tails[2]]  # an exact repeat too
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    hits_before = engine.kv_manager.num_prefix_hits
+    results = {}
+    for i, prompt in enumerate(prompts):  # one by one: each later prompt finds the cache filled
+        engine.add_request(None, params, prompt_token_ids=prompt, request_id=f"s{i}")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.outputs[0].token_ids
+    assert engine.kv_manager.num_prefix_hits - hits_before >= 4 * 36  # 9 blocks of 4 per later prompt
+    hf_model.generation_config.eos_token_id = None
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert results[f"s{i}"] == ref, f"{kind}: prompt {i} diverged with a prefix-cache hit"
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks

@@ -14,8 +14,8 @@ from ember.scheduler import ModelRunnerOutput, Scheduler
 EOS = 2
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64):
-    kv = KVCacheManager(num_blocks, block_size)
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len), kv)
 
 
@@ -122,7 +122,8 @@ def test_request_waits_for_kv_blocks_until_another_finishes():
     out, _ = run_step(sched)  # a and b reach max_tokens=3 here and free their blocks
     assert len(sched.running) == 0 and sched.kv.num_free_blocks == 4
     out, _ = run_step(sched)
-    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("c", [0, 1])]
+    # freed tail first: a gave back [1, 0], b [3, 2]; c takes the least recently freed
+    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("c", [1, 0])]
 
 
 def test_abort_frees_blocks_at_once():
@@ -157,6 +158,28 @@ def test_context_limit_finishes_with_length():
     assert updates[0].request.num_tokens == 8
 
 
+def test_prefix_cache_hit_skips_computed_blocks_and_shares_them():
+    sched = make_scheduler(prefix_caching=True)
+    sched.add_request(make_request("a", 10, max_tokens=5))
+    out, _ = run_step(sched)
+    assert out.scheduled[0].num_tokens == 10
+    a_table = sched.kv.get_block_table("a")
+    sched.add_request(make_request("b", 10, max_tokens=2))  # same prompt
+    out, _ = run_step(sched)
+    b = [s for s in out.scheduled if s.request_id == "b"][0]
+    # 2 full blocks (8 tokens) cached; the last 2 prompt tokens are computed
+    assert (b.num_tokens, b.start_position, b.is_prefill) == (2, 8, True)
+    assert b.token_ids == [18, 19]
+    assert b.block_table[:2] == a_table[:2] and b.block_table[2] not in a_table
+    assert sched.kv.pool.blocks[a_table[0]].ref_count == 2
+    assert sched.kv.prefix_hit_rate == 8 / 20
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv.num_free_blocks == 16
+    # after both finished, the prefix is still cached for the next request
+    assert sched.kv.find_cached_prefix(list(range(10, 20))) == a_table[:2]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     events=st.lists(
@@ -172,19 +195,26 @@ def test_context_limit_finishes_with_length():
     ),
     num_blocks=st.integers(8, 24),
     block_size=st.sampled_from([1, 2, 4, 8]),
+    prefix_caching=st.booleans(),
 )
-def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, block_size):
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, max_batched=48, max_model_len=40)
+def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, block_size, prefix_caching):
+    # every prompt is range(10, 10 + n): with prefix caching on, they share prefixes
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, max_batched=48,
+                           max_model_len=40, prefix_caching=prefix_caching)
     aborts: dict[int, list[str]] = {}
     step = 0
 
     def do_step():
         nonlocal step
         out = sched.schedule()
-        # invariant: every owned block is owned once and none is free at the same time
+        # invariant: a block's reference count is the number of tables holding it,
+        # and a block is free exactly when no table holds it
         owned = [b for r in sched.running for b in sched.kv.get_block_table(r.request_id)]
-        assert len(owned) == len(set(owned))
-        assert len(owned) + sched.kv.num_free_blocks == num_blocks
+        for block in sched.kv.pool.blocks:
+            assert block.ref_count == owned.count(block.block_id)
+        if not prefix_caching:
+            assert len(owned) == len(set(owned))
+        assert len(set(owned)) + sched.kv.num_free_blocks == num_blocks
         for s in out.scheduled:
             assert len(s.block_table) * block_size >= s.start_position + s.num_tokens
         sampled = [
