@@ -271,7 +271,12 @@ BAD_INPUTS = [
     ("grammar not yet", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}).encode(), None, 422, "validation"),
     ("watermark not yet", "/generate", J({"inputs": "x", "parameters": {"watermark": True}}).encode(), None, 422, "validation"),
     ("best_of not yet", "/generate", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
-    ("top_n_tokens not yet", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 3}}).encode(), None, 422, "validation"),
+    ("top_n_tokens 6", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 6}}).encode(), None, 422, "validation"),
+    ("top_n_tokens huge", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 10**12}}).encode(), None, 422, "validation"),
+    ("top_n_tokens negative", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": -1}}).encode(), None, 422, "validation"),
+    ("top_n_tokens string", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": "3"}}).encode(), None, 422, "validation"),
+    ("decoder_input_details not bool", "/generate", J({"inputs": "x", "parameters": {"decoder_input_details": "yes"}}).encode(), None, 422, "validation"),
+    ("decoder_input_details streamed", "/generate_stream", J({"inputs": "x", "parameters": {"decoder_input_details": True}}).encode(), None, 422, "validation"),
     ("adapter_id not yet", "/generate", J({"inputs": "x", "parameters": {"adapter_id": "lora"}}).encode(), None, 422, "validation"),
     ("repetition_penalty zero", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": 0}}).encode(), None, 422, "validation"),
     ("repetition_penalty negative", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": -1.5}}).encode(), None, 422, "validation"),
@@ -333,3 +338,48 @@ def test_a_failing_step_becomes_an_error_event_and_the_server_lives_on(tiny_llam
         assert httpx.get(f"{url}/health").status_code == 200
         kv = kv_of(app)
         assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_top_tokens_and_prefill(server):
+    """`top_n_tokens` and `decoder_input_details` as TGI shapes them; logprobs are of
+    the distribution each token was drawn from (greedy here: the model's own)."""
+    url, app = server
+    tokenizer = app.state.service.tokenizer
+    r = generate(url, "hello world", max_new_tokens=5, details=True, decoder_input_details=True, top_n_tokens=3)
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    prompt_ids = tokenizer.encode("hello world")
+    assert [t["id"] for t in details["prefill"]] == prompt_ids
+    assert details["prefill"][0]["logprob"] is None
+    assert all(t["logprob"] <= 0 for t in details["prefill"][1:])
+    assert len(details["top_tokens"]) == len(details["tokens"]) == 5
+    for token, top in zip(details["tokens"], details["top_tokens"]):
+        assert len(top) == 3 and all(set(t) == {"id", "text", "logprob", "special"} for t in top)
+        logprobs = [t["logprob"] for t in top]
+        assert logprobs == sorted(logprobs, reverse=True)
+        assert top[0]["id"] == token["id"] and top[0]["logprob"] == pytest.approx(token["logprob"])
+    events = sse_events(httpx.post(
+        f"{url}/generate_stream", json={"inputs": "hello world", "parameters": {"max_new_tokens": 5, "top_n_tokens": 2}},
+        timeout=60,
+    ).text)
+    assert [[t["id"] for t in e["top_tokens"]] for e in events] == [[t["id"] for t in top[:2]] for top in details["top_tokens"]]
+    plain = generate(url, "hello world", max_new_tokens=2, details=True).json()["details"]
+    assert plain["prefill"] == [] and plain["top_tokens"] == []
+
+
+def test_inference_client_parses_prefill_and_top_tokens(server):
+    from huggingface_hub import InferenceClient
+
+    url, _ = server
+    client = InferenceClient(base_url=url)
+    out = client.text_generation(
+        "hello world", max_new_tokens=4, details=True, decoder_input_details=True, top_n_tokens=3
+    )
+    assert out.details.prefill[0].logprob is None and out.details.prefill[1].logprob <= 0
+    assert len(out.details.top_tokens) == 4 and all(len(top) == 3 for top in out.details.top_tokens)
+    # huggingface_hub leaves the nested top_tokens lists as dicts (its parser does not
+    # descend into lists of lists); both spellings are TGI's Token
+    first = out.details.top_tokens[0][0]
+    assert (first["id"] if isinstance(first, dict) else first.id) == out.details.tokens[0].id
+    streamed = list(client.text_generation("hello world", max_new_tokens=3, stream=True, details=True, top_n_tokens=2))
+    assert all(len(event.top_tokens) == 2 for event in streamed)

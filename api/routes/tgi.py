@@ -16,18 +16,17 @@ from ember.api.schemas import tgi
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.outputs import RequestOutput
+from ember.logprobs import Logprob
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
 NOT_YET = {
     "best_of": (None, "issue 4 (n/best_of)"),
-    "decoder_input_details": (False, "issue 4 (prompt logprobs)"),
-    "top_n_tokens": (None, "issue 4 (top tokens)"),
     "grammar": (None, "the grammar-guided decoding issue"),
     "watermark": (False, "the watermark issue"),
     "adapter_id": (None, "a LoRA adapters issue"),
 }
-NEUTRAL = {"best_of": 1, "top_n_tokens": 0}
+NEUTRAL = {"best_of": 1}
 
 
 def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingParams:
@@ -54,6 +53,8 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
             typical_p=p.typical_p if p.typical_p is not None else 1.0,
             repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
             frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
+            logprobs=p.top_n_tokens or None,
+            prompt_logprobs=0 if p.decoder_input_details else None,
             extra=p.extra or {},
         )
     except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
@@ -71,6 +72,25 @@ def finish_reason(out: RequestOutput, eos_ids: tuple[int, ...]) -> str:
 
 class TGIRoutes:
     def __init__(self, service: GenerationService) -> None:
+def top_tokens(service: GenerationService, logprobs: dict[int, Logprob], num_top: int) -> list[tgi.Token]:
+    """The `num_top` most likely tokens of one position, by rank (TGI's `top_tokens`)."""
+    ranked = sorted((lp.rank, token_id) for token_id, lp in logprobs.items() if lp.rank <= num_top)
+    return [
+        tgi.Token(id=t, text=service.token_text(t), logprob=logprobs[t].logprob, special=service.is_special(t))
+        for _, t in ranked
+    ]
+
+
+def prefill_tokens(service: GenerationService, ids: list[int], out: RequestOutput) -> list[tgi.Token]:
+    """The prompt's tokens with their logprobs (`decoder_input_details`); the first has none."""
+    lps = out.prompt_logprobs or [None] * len(ids)
+    return [
+        tgi.Token(id=t, text=service.token_text(t), logprob=None if lp is None else lp[t].logprob,
+                  special=service.is_special(t))
+        for t, lp in zip(ids, lps)
+    ]
+
+
         self.service = service
 
     def routes(self) -> list[Route]:
@@ -81,7 +101,7 @@ class TGIRoutes:
             Route("/tokenize", self.tokenize, methods=["POST"]),
         ]
 
-    async def _prepare(self, body: tgi.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _prepare(self, body: tgi.GenerateRequest, is_stream: bool = False) -> tuple[list[int], SamplingParams]:
         service = self.service
         if not body.inputs:
             raise APIError(422, "`inputs` is empty: give a non-empty prompt", "validation", "inputs")
@@ -89,6 +109,11 @@ class TGIRoutes:
         p = body.parameters
         if p.truncate is not None:
             if p.truncate > service.limits.max_input_tokens:
+        if p.decoder_input_details and is_stream:
+            raise APIError(
+                422, "`decoder_input_details` == true is not supported when streaming tokens",
+                "validation", "decoder_input_details",
+            )
                 raise APIError(
                     422, f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {p.truncate}",
                     "validation", "truncate",
@@ -131,11 +156,14 @@ class TGIRoutes:
             ]
             response["details"] = tgi.Details(
                 finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
+            num_top = body.parameters.top_n_tokens or 0
                 generated_tokens=len(completion.token_ids),
                 seed=params.seed,
                 tokens=tokens,
             ).model_dump()
+                prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
         return JSONResponse(response)
+                top_tokens=[top_tokens(service, lp, num_top) for lp in completion.logprobs] if num_top else [],
 
     # -- /generate_stream ----------------------------------------------------------
     @documented(summary="Generate text as server-sent events (TGI)", tag="TGI", request=tgi.GenerateRequest,
@@ -149,7 +177,7 @@ class TGIRoutes:
 
     async def _stream(self, body: tgi.GenerateRequest) -> Response:
         service = self.service
-        ids, params = await self._prepare(body)
+        ids, params = await self._prepare(body, is_stream=True)
         service.acquire()
         return EventStreamResponse(self._events(body, ids, params), on_close=service.release)
 
@@ -163,7 +191,9 @@ class TGIRoutes:
                 for k, token_id in enumerate(new_ids):
                     index += 1
                     is_last = out.finished and k == len(new_ids) - 1
-                    logprob = completion.token_logprobs[len(completion.token_ids) - len(new_ids) + k]
+                    position = len(completion.token_ids) - len(new_ids) + k
+                    logprob = completion.token_logprobs[position]
+                    num_top = body.parameters.top_n_tokens or 0
                     event: dict = {
                         "index": index,
                         "token": {
@@ -172,7 +202,9 @@ class TGIRoutes:
                             "logprob": logprob,
                             "special": service.is_special(token_id),
                         },
-                        "top_tokens": None,
+                        "top_tokens": [
+                            t.model_dump() for t in top_tokens(service, completion.logprobs[position], num_top)
+                        ] if num_top else None,
                         "generated_text": None,
                         "details": None,
                     }

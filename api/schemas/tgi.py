@@ -15,7 +15,9 @@ class Strict(BaseModel):
 
 class GenerateParameters(Strict):
     best_of: int | None = Field(None, ge=1, description="not available yet (issue 4)")
-    decoder_input_details: bool = Field(False, description="not available yet (issue 4)")
+    decoder_input_details: bool = Field(
+        False, description="details.prefill: the prompt's tokens and their logprobs (not with streaming)"
+    )
     details: bool = Field(False, description="return finish reason, tokens and their logprobs")
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
     extra: dict[str, Any] | None = Field(
@@ -34,7 +36,9 @@ class GenerateParameters(Strict):
     stop: list[str] = Field(default_factory=list, description="stop sequences (at most --max-stop-sequences)")
     temperature: float | None = Field(None, gt=0.0, description="> 0; implies sampling")
     top_k: int | None = Field(None, gt=0)
-    top_n_tokens: int | None = Field(None, ge=0, description="not available yet (issue 4)")
+    top_n_tokens: int | None = Field(
+        None, ge=0, le=5, description="details.top_tokens: the N most likely tokens at each step (at most 5, as TGI)"
+    )
     top_p: float | None = Field(None, gt=0.0, lt=1.0)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
     typical_p: float | None = Field(None, gt=0.0, lt=1.0, description="locally typical sampling mass; implies sampling")
