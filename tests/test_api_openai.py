@@ -298,8 +298,13 @@ ERRORS = [
     ("n=2", "/v1/completions", {**COMPLETION, "n": 2}, 422, "n"),
     ("chat n=2", "/v1/chat/completions", {**CHAT, "n": 2}, 422, "n"),
     ("best_of", "/v1/completions", {**COMPLETION, "best_of": 2}, 422, "best_of"),
-    ("completion logprobs", "/v1/completions", {**COMPLETION, "logprobs": 1}, 422, "logprobs"),
-    ("chat logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, 422, "logprobs"),
+    ("completion logprobs 6", "/v1/completions", {**COMPLETION, "logprobs": 6}, 422, "logprobs"),
+    ("completion logprobs -1", "/v1/completions", {**COMPLETION, "logprobs": -1}, 422, "logprobs"),
+    ("completion logprobs true", "/v1/completions", {**COMPLETION, "logprobs": True}, 422, "logprobs"),
+    ("chat logprobs 3", "/v1/chat/completions", {**CHAT, "logprobs": 3}, 422, "logprobs"),
+    ("chat top_logprobs 50", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 422, "top_logprobs"),
+    ("chat top_logprobs -1", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, 422, "top_logprobs"),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 422, "top_logprobs"),
     ("presence_penalty 3", "/v1/completions", {**COMPLETION, "presence_penalty": 3}, 422, "presence_penalty"),
     ("frequency_penalty -2.5", "/v1/chat/completions", {**CHAT, "frequency_penalty": -2.5}, 422, "frequency_penalty"),
     ("logit_bias non-integer key", "/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1.0}}, 422, "logit_bias"),
@@ -431,3 +436,39 @@ def test_admission_counts_each_prompt_and_releases(tiny_llama_dir):
                                                               "stream": True}) as held:
                 next(held.iter_lines())
             assert wait_until_idle(service) == 0
+
+
+def test_chat_logprobs_parse_in_the_sdk(client):
+    kwargs = dict(model="m", messages=MESSAGES, max_tokens=5, temperature=0)
+    r = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    # (no join check: the tiny model's byte tokens may be partial UTF-8, shown as U+FFFD)
+    for t in content:
+        assert t.logprob <= 0 and t.bytes == list(t.token.encode("utf-8"))
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the argmax
+        values = [top.logprob for top in t.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] == pytest.approx(t.logprob)
+    assert client.chat.completions.create(**kwargs).choices[0].logprobs is None
+    plain = client.chat.completions.create(**kwargs, logprobs=True).choices[0].logprobs.content
+    assert all(t.top_logprobs == [] for t in plain)
+    stream = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
+
+
+def test_completion_logprobs_parse_in_the_sdk(client):
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and max(top.values()) == pytest.approx(logprob)
+        assert 1 <= len(top) <= 2
+    stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=True)
+    streamed = [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert greedy_completion(client, max_tokens=2).choices[0].logprobs is None

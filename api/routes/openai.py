@@ -78,6 +78,40 @@ def usage(jobs: list[_Job], outs: list[RequestOutput]) -> oa.Usage:
     return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
+def chat_logprobs(service: GenerationService, out: RequestOutput, start: int, num_top: int) -> oa.ChatLogprobs:
+    """`choices[].logprobs` of the chat API for generated tokens ``start ...``."""
+    content = []
+    for logprobs, token_id in zip(out.outputs[0].logprobs[start:], out.outputs[0].token_ids[start:]):
+        ranked = sorted((lp.rank, t) for t, lp in logprobs.items() if lp.rank <= num_top)
+        top = [_top_logprob(service, t, logprobs[t].logprob) for _, t in ranked]
+        chosen = _top_logprob(service, token_id, logprobs[token_id].logprob)
+        content.append(oa.TokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return oa.ChatLogprobs(content=content)
+
+
+def _top_logprob(service: GenerationService, token_id: int, logprob: float) -> oa.TopLogprob:
+    text = service.token_text(token_id)
+    return oa.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def completion_logprobs(service: GenerationService, out: RequestOutput, start: int, offset: int) -> oa.CompletionLogprobs:
+    """The completions API's parallel lists for generated tokens ``start ...``; text
+    offsets count from ``offset`` (the length of the text before them)."""
+    completion = out.outputs[0]
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for logprobs, token_id in zip(completion.logprobs[start:], completion.token_ids[start:]):
+        text = service.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(logprobs[token_id].logprob)
+        by_text: dict[str, float] = {}
+        for t, lp in logprobs.items():  # the chosen token first; texts may collide (U+FFFD)
+            by_text.setdefault(service.token_text(t), lp.logprob)
+        top.append(by_text)
+        text_offset.append(offset)
+        offset += len(text)
+    return oa.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=text_offset)
+
+
 def check_not_yet(body: oa.SamplingFields) -> None:
     """Fields accepted only at their neutral value until the issue that implements them."""
     if body.n != 1:
@@ -118,9 +152,16 @@ class OpenAIRoutes:
                 min_p=body.min_p or 0.0,
                 repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                 extra=body.extra or {},
+                logprobs=self._num_logprobs(body),
             )
         except ValueError as exc:
             raise validation_error(str(exc)) from None
+
+    @staticmethod
+    def _num_logprobs(body: oa.SamplingFields) -> int | None:
+        if isinstance(body, oa.ChatCompletionRequest):
+            return (body.top_logprobs or 0) if body.logprobs else None
+        return getattr(body, "logprobs", None)
 
     def _check_stop(self, body: oa.SamplingFields) -> None:
         stop = body.stop_list
@@ -241,7 +282,10 @@ class OpenAIRoutes:
         response = oa.CompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
             choices=[
-                oa.CompletionChoice(index=job.index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out))
+                oa.CompletionChoice(
+                    index=job.index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out),
+                    logprobs=None if body.logprobs is None else completion_logprobs(self.service, out, 0, len(job.echo)),
+                )
                 for job, out in zip(jobs, outs)
             ],
             usage=usage(jobs, outs),
@@ -252,8 +296,6 @@ class OpenAIRoutes:
         check_not_yet(body)
         if body.best_of not in (None, 1):
             raise not_available("best_of", "issue 4 (n/best_of)")
-        if body.logprobs is not None:
-            raise not_available("logprobs", "issue 4 (logprobs)")
         if body.suffix:
             raise not_available("suffix", "issue 4 (suffix)")
         self._check_stop(body)
@@ -296,11 +338,19 @@ class OpenAIRoutes:
             if job.echo:
                 yield reply.chunk([{"index": job.index, "text": job.echo, "logprobs": None, "finish_reason": None}])
         finals: list[RequestOutput] = []
+        num_sent = [0] * len(jobs)  # tokens whose logprobs were sent, per job
+        offsets = [len(job.echo) for job in jobs]
         async with aclosing(self._outputs(jobs)) as outs:
             async for index, out in outs:
                 if out.new_text or out.finished:
                     reason = finish_reason(out) if out.finished else None
-                    yield reply.chunk([{"index": index, "text": out.new_text, "logprobs": None, "finish_reason": reason}])
+                    logprobs = None
+                    if jobs[index].params.logprobs is not None:
+                        lp = completion_logprobs(self.service, out, num_sent[index], offsets[index])
+                        num_sent[index] = len(out.outputs[0].token_ids)
+                        offsets[index] += sum(len(t) for t in lp.tokens)
+                        logprobs = lp.model_dump()
+                    yield reply.chunk([{"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}])
                 if out.finished:
                     finals.append(out)
         if reply.include_usage:
@@ -328,17 +378,15 @@ class OpenAIRoutes:
         response = oa.ChatCompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
             choices=[oa.ChatChoice(index=0, message=oa.AssistantMessage(content=out.outputs[0].text),
-                                   finish_reason=finish_reason(out))],
+                                   finish_reason=finish_reason(out), logprobs=self._chat_logprobs(body, out, 0))],
             usage=usage([job], outs),
         )
         return JSONResponse(response.model_dump())
 
     def _chat_job(self, body: oa.ChatCompletionRequest) -> _Job:
         check_not_yet(body)
-        if body.logprobs:
-            raise not_available("logprobs", "issue 4 (logprobs)")
-        if body.top_logprobs:
-            raise not_available("top_logprobs", "issue 4 (logprobs)")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise validation_error("`top_logprobs` needs `logprobs: true`", "top_logprobs")
         if body.response_format is not None and body.response_format.type != "text":
             raise not_available("response_format", JSON_ISSUE)
         if body.tools:
@@ -358,6 +406,9 @@ class OpenAIRoutes:
         params = self._params(body, self._max_tokens(len(ids), requested, "messages", param))
         self.service.validate(ids, params)
         return _Job(0, prompt, ids, params)
+
+    def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
+        return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None
 
     def _chat_prompt(self, messages: list[oa.ChatMessage]) -> str:
         plain = []
@@ -383,13 +434,26 @@ class OpenAIRoutes:
     async def _chat_events(self, reply: _Reply, job: _Job) -> AsyncIterator[bytes]:
         yield reply.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         finals: list[RequestOutput] = []
+        num_sent = 0  # tokens whose logprobs were sent
+        num_top = job.params.logprobs
+
+        def logprobs_of(out: RequestOutput) -> dict | None:
+            nonlocal num_sent
+            if num_top is None or num_sent == len(out.outputs[0].token_ids):
+                return None
+            lp = chat_logprobs(self.service, out, num_sent, num_top)
+            num_sent = len(out.outputs[0].token_ids)
+            return lp.model_dump()
+
         async with aclosing(self._outputs([job])) as outs:
             async for _, out in outs:
                 if out.new_text:
-                    yield reply.chunk([{"index": 0, "delta": {"content": out.new_text}, "logprobs": None, "finish_reason": None}])
+                    yield reply.chunk([{"index": 0, "delta": {"content": out.new_text}, "logprobs": logprobs_of(out),
+                                        "finish_reason": None}])
                 if out.finished:
                     finals.append(out)
-                    yield reply.chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out)}])
+                    yield reply.chunk([{"index": 0, "delta": {}, "logprobs": logprobs_of(out),
+                                        "finish_reason": finish_reason(out)}])
         if reply.include_usage:
             yield reply.chunk([], usage([job], finals).model_dump())
         yield DONE_EVENT

@@ -15,8 +15,8 @@ from ember.api.http import ClientDisconnected, parse_model, read_json, unless_di
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
-from ember.outputs import RequestOutput
 from ember.logprobs import Logprob
+from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
@@ -70,8 +70,6 @@ def finish_reason(out: RequestOutput, eos_ids: tuple[int, ...]) -> str:
     return "stop_sequence"
 
 
-class TGIRoutes:
-    def __init__(self, service: GenerationService) -> None:
 def top_tokens(service: GenerationService, logprobs: dict[int, Logprob], num_top: int) -> list[tgi.Token]:
     """The `num_top` most likely tokens of one position, by rank (TGI's `top_tokens`)."""
     ranked = sorted((lp.rank, token_id) for token_id, lp in logprobs.items() if lp.rank <= num_top)
@@ -91,6 +89,8 @@ def prefill_tokens(service: GenerationService, ids: list[int], out: RequestOutpu
     ]
 
 
+class TGIRoutes:
+    def __init__(self, service: GenerationService) -> None:
         self.service = service
 
     def routes(self) -> list[Route]:
@@ -107,13 +107,13 @@ def prefill_tokens(service: GenerationService, ids: list[int], out: RequestOutpu
             raise APIError(422, "`inputs` is empty: give a non-empty prompt", "validation", "inputs")
         ids = service.encode(body.inputs)
         p = body.parameters
-        if p.truncate is not None:
-            if p.truncate > service.limits.max_input_tokens:
         if p.decoder_input_details and is_stream:
             raise APIError(
                 422, "`decoder_input_details` == true is not supported when streaming tokens",
                 "validation", "decoder_input_details",
             )
+        if p.truncate is not None:
+            if p.truncate > service.limits.max_input_tokens:
                 raise APIError(
                     422, f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {p.truncate}",
                     "validation", "truncate",
@@ -154,16 +154,16 @@ def prefill_tokens(service: GenerationService, ids: list[int], out: RequestOutpu
                 tgi.Token(id=t, text=service.token_text(t), logprob=lp, special=service.is_special(t))
                 for t, lp in zip(completion.token_ids, completion.token_logprobs)
             ]
+            num_top = body.parameters.top_n_tokens or 0
             response["details"] = tgi.Details(
                 finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
-            num_top = body.parameters.top_n_tokens or 0
                 generated_tokens=len(completion.token_ids),
                 seed=params.seed,
-                tokens=tokens,
-            ).model_dump()
                 prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
-        return JSONResponse(response)
+                tokens=tokens,
                 top_tokens=[top_tokens(service, lp, num_top) for lp in completion.logprobs] if num_top else [],
+            ).model_dump()
+        return JSONResponse(response)
 
     # -- /generate_stream ----------------------------------------------------------
     @documented(summary="Generate text as server-sent events (TGI)", tag="TGI", request=tgi.GenerateRequest,

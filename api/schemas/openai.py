@@ -107,7 +107,9 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: int | None = Field(16, ge=1, description="default 16")
     echo: bool = Field(False, description="prepend the prompt to the text")
-    logprobs: int | None = Field(None, ge=0, le=5, description="not available yet (issue 4)")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="per generated token its logprob and the N most likely tokens (choices[].logprobs)"
+    )
     best_of: int | None = Field(None, ge=1, description="only 1 for now (issue 4)")
     suffix: str | None = Field(None, description="not available yet")
 
@@ -145,8 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: what --max-total-tokens leaves")
-    logprobs: bool | None = Field(None, description="not available yet (issue 4)")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="not available yet (issue 4)")
+    logprobs: bool | None = Field(None, description="return each generated token's logprob (choices[].logprobs.content)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the N most likely tokens at each position")
     response_format: ResponseFormat | None = Field(None, description='only {"type": "text"} for now')
     tools: list[dict[str, Any]] | None = Field(None, description="not available yet")
     tool_choice: str | dict[str, Any] | None = Field(None, description='only "none" for now')
@@ -164,10 +166,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -192,7 +218,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -214,7 +240,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
