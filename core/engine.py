@@ -17,6 +17,7 @@ from ember.logprobs import Logprob, to_logprob_dict
 from ember.model_loader import load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
 from ember.outputs import CompletionOutput, RequestOutput
+from ember.parallel_sampling import SampleGroup, child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
 from ember.request import Request, RequestStatus
@@ -124,6 +125,8 @@ class LLMEngine:
             self.logits_pipeline,
         )
         self._states: dict[str, _RequestState] = {}
+        self._groups: dict[str, SampleGroup] = {}  # parallel sampling, by parent id
+        self._child_to_group: dict[str, tuple[str, int]] = {}
         self._counter = itertools.count()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
@@ -182,6 +185,13 @@ class LLMEngine:
         """
         prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
         request_id = request_id or f"req-{next(self._counter)}"
+        if request_id in self._groups or request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.num_samples > 1:
+            return self._add_group(request_id, prompt, prompt_token_ids, params)
+        return self._add_single(request_id, prompt, prompt_token_ids, params)
+
+    def _add_single(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> str:
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -195,7 +205,45 @@ class LLMEngine:
         )
         return request_id
 
+    def _add_group(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> str:
+        group = SampleGroup(parent_id, prompt, prompt_token_ids, params)
+        self._groups[parent_id] = group
+        for index, cid in enumerate(group.child_ids()):
+            self._child_to_group[cid] = (parent_id, index)
+        self._add_single(group.child_ids()[0], prompt, prompt_token_ids, child_params(params, 0))
+        group.pending = list(range(1, group.num_samples))
+        if not self.kv_manager.enable_prefix_caching:
+            self._admit_siblings(group)  # nothing to share: no reason to wait
+        return parent_id
+
+    def _admit_siblings(self, group: SampleGroup) -> None:
+        for index in group.pending:
+            self._add_single(
+                child_id(group.parent_id, index), group.prompt, group.prompt_token_ids, child_params(group.params, index)
+            )
+        group.pending = []
+
+    def _admit_ready_siblings(self) -> None:
+        """Siblings join once the first child computed the prompt (its full blocks are cached)."""
+        for group in self._groups.values():
+            if not group.pending:
+                continue
+            first = self.scheduler.requests.get(child_id(group.parent_id, 0))
+            if first is None or first.num_computed_tokens >= len(group.prompt_token_ids):
+                self._admit_siblings(group)
+
     def abort_request(self, request_id: str) -> bool:
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            group.pending = []
+            aborted = False
+            for cid in group.child_ids():
+                self._child_to_group.pop(cid, None)
+                aborted = self._abort_single(cid) or aborted
+            return aborted
+        return self._abort_single(request_id)
+
+    def _abort_single(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)
         state = self._states.pop(request_id, None)
         if state is not None:
@@ -203,7 +251,7 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or any(g.pending for g in self._groups.values())
 
     # -- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -224,7 +272,24 @@ class LLMEngine:
                 del self._states[request.request_id]
                 self._notify_finished(request)
             outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
+        if self._groups:
+            outputs = [self._to_parent(out) for out in outputs]
+            self._admit_ready_siblings()
         return outputs
+
+    def _to_parent(self, out: RequestOutput) -> RequestOutput:
+        """A child's output, as an output of its group (parallel sampling)."""
+        link = self._child_to_group.get(out.request_id)
+        if link is None:
+            return out
+        parent_id, index = link
+        group = self._groups[parent_id]
+        merged = group.merge(index, out)
+        if group.is_finished:
+            del self._groups[parent_id]
+            for cid in group.child_ids():
+                self._child_to_group.pop(cid, None)
+        return merged
 
     def _update_text(self, state: _RequestState, new_token_ids: list[int]) -> str:
         """Detokenize, apply stop strings, and return the text that is safe to stream.

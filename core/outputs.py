@@ -46,3 +46,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token, as CompletionOutput.logprobs
     # (the first is None: nothing precedes it); None when not asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # which completion this step's new_token_ids / new_text belong to (n > 1)
+    index: int = 0

@@ -9,6 +9,8 @@ from typing import Any
 
 from ember.logprobs import MAX_LOGPROBS
 
+MAX_PARALLEL_SAMPLES = 16
+
 # Names of the built-in logits processors that the standard fields switch on (see
 # `SamplingParams.logits_processor_names`); a key of `extra` may not take them.
 BUILTIN_PROCESSOR_NAMES = (
@@ -73,6 +75,10 @@ class SamplingParams:
     # Logprobs (docs/sampling.md): alternatives per generated token / per prompt token.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Parallel sampling: `n` completions of one prompt, drawn from `best_of` (>= n)
+    # candidates; they share the prompt's KV blocks (docs/sampling.md).
+    n: int = 1
+    best_of: int | None = None
     # Derived in __post_init__: the logits processors this request runs through.
     logits_processor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -119,6 +125,13 @@ class SamplingParams:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {token_id!r}")
         self._validate_processor_fields()
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_PARALLEL_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_PARALLEL_SAMPLES}], got {self.n!r}")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or isinstance(self.best_of, bool)
+            or not self.n <= self.best_of <= MAX_PARALLEL_SAMPLES
+        ):
+            raise ValueError(f"best_of must be an integer in [n={self.n}, {MAX_PARALLEL_SAMPLES}], got {self.best_of!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -174,6 +187,11 @@ class SamplingParams:
             "typical_p": is_sampling and self.typical_p < 1.0,
         }
         return tuple(name for name in BUILTIN_PROCESSOR_NAMES if is_on[name]) + tuple(self.extra)
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the engine runs for this request (best_of, else n)."""
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:
