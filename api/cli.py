@@ -85,6 +85,9 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
     "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
     "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
+    "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
+    "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
+    "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -110,6 +113,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_batch_total_tokens": None,
     "max_stop_sequences": 4,
     "payload_limit": 2_000_000,
+    "watermark_key": None,  # None: the watermark plugin's own defaults
+    "watermark_gamma": None,
+    "watermark_delta": None,
 }
 
 
@@ -208,6 +214,23 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         limits.add_argument(flag, metavar="N", type=int, default=None, help=f"{help_text} [{ENV_OPTIONS[dest].variable}]")
 
 
+def _add_watermark_arguments(parser: argparse.ArgumentParser, *, with_delta: bool) -> None:
+    group = parser.add_argument_group("watermark (the watermark plugin)")
+    group.add_argument("--watermark-key", metavar="KEY", default=None, help="secret key of the green lists [EMBER_WATERMARK_KEY]")
+    group.add_argument("--watermark-gamma", metavar="G", type=float, default=None, help="green fraction (default 0.25) [EMBER_WATERMARK_GAMMA]")
+    if with_delta:
+        group.add_argument("--watermark-delta", metavar="D", type=float, default=None, help="bias added to green logits (default 2.0) [EMBER_WATERMARK_DELTA]")
+
+
+def _watermark_options(args: argparse.Namespace) -> dict:
+    """``EngineConfig.processor_options`` from the --watermark-* flags given."""
+    given = {
+        name: getattr(args, f"watermark_{name}", None) for name in ("key", "gamma", "delta")
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    return {"watermark": given} if given else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --log-level is accepted before and after the command; SUPPRESS keeps the
     # subcommand's copy from overwriting a value given before it.
@@ -250,7 +273,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_arguments(serve)
     _add_server_arguments(serve)
+    _add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
+
+    watermark = commands.add_parser(
+        "watermark", parents=[common], help="watermark tools: `ember watermark detect`",
+        description="Tools of the watermark plugin.",
+    )
+    watermark_commands = watermark.add_subparsers(dest="watermark_command", metavar="COMMAND", required=True)
+    detect = watermark_commands.add_parser(
+        "detect", parents=[common], help="score text or token ids for the watermark (JSON on stdout)",
+        description="Recompute the green lists (the model's tokenizer and vocabulary, the key and gamma) and "
+        "print the green count, z-score and p-value as JSON. Loads no weights.",
+    )
+    source = detect.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", metavar="T", help="text, tokenized with the model's tokenizer")
+    source.add_argument("--token-ids", metavar="ID", type=int, nargs="+", help="token ids")
+    detect.add_argument("--prefix-token-id", metavar="ID", type=int, default=None, help="the token before --token-ids")
+    _add_engine_arguments(detect)
+    _add_watermark_arguments(detect, with_delta=False)
+    detect.set_defaults(handler=run_watermark_detect)
 
     plugins = commands.add_parser(
         "plugins", parents=[common], help="list discovered plugins and what they register",
@@ -317,8 +359,34 @@ def run_serve(args: argparse.Namespace) -> int:
         payload_limit=args.payload_limit,
         disabled_plugins=tuple(args.disable_plugin),
         required_plugins=tuple(args.plugin),
+        processor_options=_watermark_options(args),
     )
     serve(settings)
+    return 0
+
+
+def run_watermark_detect(args: argparse.Namespace) -> int:
+    from ember.logits_processor import LogitsProcessorContext
+    from ember.model_loader import load_hf_config
+    from ember.plugin import create_plugin_manager
+    from ember.tokenizer import load_tokenizer
+    from ember.weights import resolve_model
+
+    pm = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
+    registry = pm.registries.logits_processors
+    if "watermark" not in registry:
+        raise ValueError("the watermark logits processor is not loaded (plugin `watermark` disabled or not installed?)")
+    model_dir = resolve_model(args.model_id, args.revision)
+    options = _watermark_options(args).get("watermark", {})
+    context = LogitsProcessorContext(
+        load_hf_config(model_dir).vocab_size, tokenizer=load_tokenizer(model_dir), options=options
+    )
+    detector = registry.get("watermark")(context).create_detector()
+    if args.text is not None:
+        output = detector.detect_text(args.text)
+    else:
+        output = detector.detect(args.token_ids, args.prefix_token_id)
+    print(json.dumps(output.to_dict()))
     return 0
 
 

@@ -40,6 +40,18 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error: {exc!r}", "internal"), _flavor(request))
 
 
+def plugin_routes(plugin_manager, service: GenerationService, taken: set[str]) -> list:
+    """The routes plugins add through ``ember_api_routes``, once, at app creation."""
+    added = []
+    for plugin_list in plugin_manager.hook.ember_api_routes(service=service):
+        for route in plugin_list or ():
+            if route.path in taken:
+                raise ValueError(f"a plugin's route {route.path!r} clashes with a route the app already has")
+            taken.add(route.path)
+            added.append(route)
+    return added
+
+
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
     """Build the app around a started or startable engine (started on app startup)."""
     import ember
@@ -62,6 +74,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
         OpenAIRoutes = None
     if OpenAIRoutes is not None:
         routes += OpenAIRoutes(service).routes()
+    routes += plugin_routes(core.plugin_manager, service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 
     routes += OpenAPIRoutes(routes).routes()

@@ -30,6 +30,8 @@ class ServerSettings:
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
+    # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
+    processor_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
@@ -98,6 +100,7 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
         "block_size": block_size,
         "disabled_plugins": settings.disabled_plugins,
         "required_plugins": settings.required_plugins,
+        "processor_options": settings.processor_options,
     }
     if settings.max_total_tokens is not None:
         kwargs["max_model_len"] = settings.max_total_tokens

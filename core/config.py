@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,15 @@ class EngineConfig:
     seed: int | None = None
     disabled_plugins: tuple[str, ...] = ()
     required_plugins: tuple[str, ...] = ()
+    # Server-side settings of logits processors by name, e.g. {"watermark": {"key": "..."}}:
+    # each processor gets its own as `LogitsProcessorContext.options`.
+    processor_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.processor_options, Mapping) or not all(
+            isinstance(v, Mapping) for v in self.processor_options.values()
+        ):
+            raise ValueError(f"processor_options must map processor names to dicts, got {self.processor_options!r}")
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         if not isinstance(self.dtype, str):

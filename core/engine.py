@@ -119,6 +119,7 @@ class LLMEngine:
         self.logits_pipeline = LogitsPipeline.from_registry(
             self.plugin_manager.registries.logits_processors,
             LogitsProcessorContext(self.hf_config.vocab_size, self.eos_token_ids, self.tokenizer),
+            config.processor_options,
         )
         self.runner = ModelRunner(
             self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,

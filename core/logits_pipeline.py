@@ -8,7 +8,9 @@ typical-p. The sampler draws from what comes out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -34,8 +36,16 @@ class LogitsPipeline:
         self._active: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def from_registry(cls, registry: Registry, context: LogitsProcessorContext) -> LogitsPipeline:
-        """Build one instance of every registered processor class."""
+    def from_registry(
+        cls, registry: Registry, context: LogitsProcessorContext,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> LogitsPipeline:
+        """Build one instance of every registered processor class; each gets
+        ``options[name]`` (the server's settings for it) as ``context.options``."""
+        options = options or {}
+        unknown = sorted(set(options) - set(registry.names()))
+        if unknown:
+            raise ValueError(f"processor_options name logits processor(s) {unknown} that are not loaded")
         processors = []
         for name, processor_cls in registry.items():
             if not (isinstance(processor_cls, type) and issubclass(processor_cls, BaseLogitsProcessor)):
@@ -48,7 +58,7 @@ class LogitsPipeline:
                     f"logits processor registered as {name!r} (plugin {registry.owner(name)!r}) names itself "
                     f"{getattr(processor_cls, 'name', None)!r}; register it under its `name`"
                 )
-            processors.append(processor_cls(context))
+            processors.append(processor_cls(replace(context, options=dict(options.get(name, {})))))
         return cls(processors)
 
     @property

@@ -16,7 +16,8 @@ and a third party's processor is switched on by its name as a key of
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -58,11 +59,15 @@ class LogitsProcessorContext:
     ``vocab_size`` is the width of the logits (the model's output vocabulary, which
     may exceed the tokenizer's). ``tokenizer`` is the served model's Hugging Face
     tokenizer, or None where a processor is built without a model (tests).
+    ``options`` are the server's settings for this processor
+    (``EngineConfig.processor_options[name]``; empty when none were given), such as
+    the watermark's secret key: what a request may not choose for itself.
     """
 
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: Any = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 class BaseLogitsProcessor(abc.ABC):

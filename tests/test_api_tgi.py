@@ -269,7 +269,7 @@ BAD_INPUTS = [
     ("prompt too long", "/generate", J({"inputs": "x" * 400}).encode(), None, 422, "validation"),
     ("truncate too big", "/generate", J({"inputs": "x", "parameters": {"truncate": 10_000}}).encode(), None, 422, "validation"),
     ("grammar not yet", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}).encode(), None, 422, "validation"),
-    ("watermark not yet", "/generate", J({"inputs": "x", "parameters": {"watermark": True}}).encode(), None, 422, "validation"),
+    ("watermark bad gamma", "/generate", J({"inputs": "x", "parameters": {"watermark": True, "extra": {"watermark": {"gamma": 2}}}}).encode(), None, 422, "validation"),
     ("best_of not yet", "/generate", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
     ("top_n_tokens 6", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 6}}).encode(), None, 422, "validation"),
     ("top_n_tokens huge", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 10**12}}).encode(), None, 422, "validation"),

@@ -11,6 +11,16 @@ from ember.api.schemas import tgi
 from ember.api.service import GenerationService
 
 
+
+def with_watermark(extra: dict | None, is_watermarked: bool | None) -> dict:
+    """``extra`` with the watermark processor switched on (TGI's ``watermark: true``);
+    its parameters, if ``extra`` already names it, are kept."""
+    extra = dict(extra or {})
+    if is_watermarked:
+        extra.setdefault("watermark", {})
+    return extra
+
+
 class CommonRoutes:
     def __init__(self, service: GenerationService) -> None:
         self.service = service

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 from starlette.requests import Request
@@ -24,10 +24,12 @@ from starlette.routing import Route
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
 from ember.api.openapi import documented
+from ember.api.routes.common import with_watermark
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.outputs import RequestOutput
+from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import apply_chat_template
 
@@ -68,11 +70,24 @@ class _Reply:
         return sse_event(payload)
 
 
+def choice_view(out: RequestOutput) -> RequestOutput:
+    """One sample of a (possibly n > 1) output as a one-completion output, finished
+    when that sample is: what the rest of this module works on."""
+    completion = next(c for c in out.outputs if c.index == out.index)
+    return replace(out, outputs=[replace(completion, index=0)], finished=completion.finish_reason is not None)
+
+
+def per_choice(jobs: list[_Job]) -> list[_Job]:
+    """The job behind each returned choice, in choice order."""
+    return [job for job in jobs for _ in range(job.params.n)]
+
+
 def finish_reason(out: RequestOutput) -> str:
     return "length" if out.outputs[0].finish_reason == "length" else "stop"
 
 
 def usage(jobs: list[_Job], outs: list[RequestOutput]) -> oa.Usage:
+    """Prompts count once each (whatever n is); every returned choice's tokens count."""
     num_prompt = sum(len(job.prompt_ids) for job in jobs)
     num_completion = sum(len(out.outputs[0].token_ids) for out in outs)
     return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
@@ -114,8 +129,9 @@ def completion_logprobs(service: GenerationService, out: RequestOutput, start: i
 
 def check_not_yet(body: oa.SamplingFields) -> None:
     """Fields accepted only at their neutral value until the issue that implements them."""
-    if body.n != 1:
-        raise not_available("n", "issue 4 (n/best_of)")
+    best_of = getattr(body, "best_of", None)
+    if body.stream and best_of is not None and best_of > body.n:
+        raise validation_error("`best_of` greater than `n` cannot be streamed", "best_of")
     if body.stream_options is not None and not body.stream:
         raise validation_error("`stream_options` is only allowed with `stream: true`", "stream_options")
 
@@ -151,8 +167,10 @@ class OpenAIRoutes:
                 top_k=body.top_k if body.top_k is not None else -1,
                 min_p=body.min_p or 0.0,
                 repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
-                extra=body.extra or {},
+                extra=with_watermark(body.extra, body.watermark),
                 logprobs=self._num_logprobs(body),
+                n=body.n,
+                best_of=getattr(body, "best_of", None),
             )
         except ValueError as exc:
             raise validation_error(str(exc)) from None
@@ -204,21 +222,24 @@ class OpenAIRoutes:
                       self.system_fingerprint, include_usage)
 
     async def _outputs(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every job's outputs as they come, tagged with the job's index. Closing this
+        """Every choice's outputs as they come, tagged with the choice's index: sample
+        ``i`` of job ``j`` is choice ``j * num_samples + i`` (OpenAI's order for n > 1).
+        Each is a one-completion view, finished when that sample is. Closing this
         iterator (or an error in one job) cancels the others, which aborts them."""
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
         async def pump(job: _Job) -> None:
+            k = job.params.num_samples
             try:
                 async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params)) as outs:
                     async for out in outs:
-                        queue.put_nowait((job.index, out))
+                        queue.put_nowait((job.index * k + out.index, choice_view(out)))
             except Exception as exc:
-                queue.put_nowait((job.index, exc))
+                queue.put_nowait((job.index * k, exc))
 
         tasks = [asyncio.create_task(pump(job)) for job in jobs]
         try:
-            num_running = len(jobs)
+            num_running = sum(job.params.num_samples for job in jobs)
             while num_running:
                 index, item = await queue.get()
                 if isinstance(item, Exception):
@@ -231,13 +252,22 @@ class OpenAIRoutes:
                 task.cancel()
 
     async def _final_outputs(self, jobs: list[_Job]) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(jobs)
+        """One finished view per returned choice, in choice order (best_of applied)."""
+        finals: list[RequestOutput | None] = [None] * sum(job.params.num_samples for job in jobs)
         async with aclosing(self._outputs(jobs)) as outs:
             async for index, out in outs:
                 if out.finished:
                     finals[index] = out
         assert all(out is not None for out in finals)
-        return finals  # type: ignore[return-value]
+        chosen: list[RequestOutput] = []
+        for job in jobs:
+            k, n = job.params.num_samples, job.params.n
+            candidates = finals[job.index * k : (job.index + 1) * k]
+            if k > n:  # best_of: the n with the highest cumulative logprob (as vLLM)
+                best = best_completions([c.outputs[0] for c in candidates], n)
+                candidates = [next(c for c in candidates if c.outputs[0] is b) for b in best]
+            chosen.extend(candidates)
+        return chosen  # type: ignore[return-value]
 
     async def _run(self, request: Request, jobs: list[_Job]) -> list[RequestOutput] | None:
         """Run to the end; None if the client left (its requests are then aborted)."""
@@ -283,10 +313,10 @@ class OpenAIRoutes:
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
             choices=[
                 oa.CompletionChoice(
-                    index=job.index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out),
+                    index=index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out),
                     logprobs=None if body.logprobs is None else completion_logprobs(self.service, out, 0, len(job.echo)),
                 )
-                for job, out in zip(jobs, outs)
+                for index, (job, out) in enumerate(zip(per_choice(jobs), outs))
             ],
             usage=usage(jobs, outs),
         )
@@ -294,8 +324,6 @@ class OpenAIRoutes:
 
     def _completion_jobs(self, body: oa.CompletionRequest) -> list[_Job]:
         check_not_yet(body)
-        if body.best_of not in (None, 1):
-            raise not_available("best_of", "issue 4 (n/best_of)")
         if body.suffix:
             raise not_available("suffix", "issue 4 (suffix)")
         self._check_stop(body)
@@ -334,18 +362,19 @@ class OpenAIRoutes:
         return prompts
 
     async def _completion_events(self, reply: _Reply, jobs: list[_Job]) -> AsyncIterator[bytes]:
-        for job in jobs:
+        choice_jobs = per_choice(jobs)  # streaming has no best_of > n: choices are samples
+        for index, job in enumerate(choice_jobs):
             if job.echo:
-                yield reply.chunk([{"index": job.index, "text": job.echo, "logprobs": None, "finish_reason": None}])
+                yield reply.chunk([{"index": index, "text": job.echo, "logprobs": None, "finish_reason": None}])
         finals: list[RequestOutput] = []
-        num_sent = [0] * len(jobs)  # tokens whose logprobs were sent, per job
-        offsets = [len(job.echo) for job in jobs]
+        num_sent = [0] * len(choice_jobs)  # tokens whose logprobs were sent, per choice
+        offsets = [len(job.echo) for job in choice_jobs]
         async with aclosing(self._outputs(jobs)) as outs:
             async for index, out in outs:
                 if out.new_text or out.finished:
                     reason = finish_reason(out) if out.finished else None
                     logprobs = None
-                    if jobs[index].params.logprobs is not None:
+                    if choice_jobs[index].params.logprobs is not None:
                         lp = completion_logprobs(self.service, out, num_sent[index], offsets[index])
                         num_sent[index] = len(out.outputs[0].token_ids)
                         offsets[index] += sum(len(t) for t in lp.tokens)
@@ -374,11 +403,13 @@ class OpenAIRoutes:
             return error_response(exc, Flavor.OPENAI)
         if outs is None:
             return Response(status_code=499)
-        out = outs[0]
         response = oa.ChatCompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
-            choices=[oa.ChatChoice(index=0, message=oa.AssistantMessage(content=out.outputs[0].text),
-                                   finish_reason=finish_reason(out), logprobs=self._chat_logprobs(body, out, 0))],
+            choices=[
+                oa.ChatChoice(index=i, message=oa.AssistantMessage(content=out.outputs[0].text),
+                              finish_reason=finish_reason(out), logprobs=self._chat_logprobs(body, out, 0))
+                for i, out in enumerate(outs)
+            ],
             usage=usage([job], outs),
         )
         return JSONResponse(response.model_dump())
@@ -432,27 +463,29 @@ class OpenAIRoutes:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
 
     async def _chat_events(self, reply: _Reply, job: _Job) -> AsyncIterator[bytes]:
-        yield reply.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        num_choices = job.params.n
+        for index in range(num_choices):
+            yield reply.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
         finals: list[RequestOutput] = []
-        num_sent = 0  # tokens whose logprobs were sent
+        num_sent = [0] * num_choices  # tokens whose logprobs were sent, per choice
         num_top = job.params.logprobs
 
-        def logprobs_of(out: RequestOutput) -> dict | None:
-            nonlocal num_sent
-            if num_top is None or num_sent == len(out.outputs[0].token_ids):
+        def logprobs_of(index: int, out: RequestOutput) -> dict | None:
+            if num_top is None or num_sent[index] == len(out.outputs[0].token_ids):
                 return None
-            lp = chat_logprobs(self.service, out, num_sent, num_top)
-            num_sent = len(out.outputs[0].token_ids)
+            lp = chat_logprobs(self.service, out, num_sent[index], num_top)
+            num_sent[index] = len(out.outputs[0].token_ids)
             return lp.model_dump()
 
         async with aclosing(self._outputs([job])) as outs:
-            async for _, out in outs:
+            async for index, out in outs:
                 if out.new_text:
-                    yield reply.chunk([{"index": 0, "delta": {"content": out.new_text}, "logprobs": logprobs_of(out),
-                                        "finish_reason": None}])
+                    yield reply.chunk([{"index": index, "delta": {"content": out.new_text},
+                                        "logprobs": logprobs_of(index, out), "finish_reason": None}])
                 if out.finished:
                     finals.append(out)
-                    yield reply.chunk([{"index": 0, "delta": {}, "logprobs": logprobs_of(out),
+                    yield reply.chunk([{"index": index, "delta": {}, "logprobs": logprobs_of(index, out),
                                         "finish_reason": finish_reason(out)}])
         if reply.include_usage:
             yield reply.chunk([], usage([job], finals).model_dump())

@@ -11,6 +11,7 @@ from starlette.routing import Route
 
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.openapi import documented
+from ember.api.routes.common import with_watermark
 from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService
@@ -23,7 +24,6 @@ from ember.sampling_params import SamplingParams
 NOT_YET = {
     "best_of": (None, "issue 4 (n/best_of)"),
     "grammar": (None, "the grammar-guided decoding issue"),
-    "watermark": (False, "the watermark issue"),
     "adapter_id": (None, "a LoRA adapters issue"),
 }
 NEUTRAL = {"best_of": 1}
@@ -55,7 +55,7 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
             frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
             logprobs=p.top_n_tokens or None,
             prompt_logprobs=0 if p.decoder_input_details else None,
-            extra=p.extra or {},
+            extra=with_watermark(p.extra, p.watermark),
         )
     except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
         raise validation_error(str(exc), "parameters") from None

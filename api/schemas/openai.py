@@ -49,7 +49,7 @@ class SamplingFields(Strict):
     model: str = Field(description="echoed back; any name is accepted (one model is served)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy decoding")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, description="only 1 for now (issue 4)")
+    n: int = Field(1, ge=1, le=16, description="completions per prompt; they share the prompt's KV blocks")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
     stop: str | list[str] | None = Field(None, description="up to --max-stop-sequences strings; the text ends before them")
@@ -72,6 +72,9 @@ class SamplingFields(Strict):
     )
     extra: dict[str, Any] | None = Field(
         None, description="extension: third-party logits processors by name, each with its parameters"
+    )
+    watermark: bool | None = Field(
+        None, description="extension: watermark the output (as TGI's parameter); gamma/delta via extra.watermark"
     )
 
     @field_validator("logit_bias")
@@ -110,7 +113,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(
         None, ge=0, le=5, description="per generated token its logprob and the N most likely tokens (choices[].logprobs)"
     )
-    best_of: int | None = Field(None, ge=1, description="only 1 for now (issue 4)")
+    best_of: int | None = Field(None, ge=1, le=16, description="sample this many, return the n with the highest cumulative logprob (not with stream)")
     suffix: str | None = Field(None, description="not available yet")
 
     @field_validator("prompt", mode="wrap")

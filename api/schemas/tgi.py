@@ -42,7 +42,10 @@ class GenerateParameters(Strict):
     top_p: float | None = Field(None, gt=0.0, lt=1.0)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
     typical_p: float | None = Field(None, gt=0.0, lt=1.0, description="locally typical sampling mass; implies sampling")
-    watermark: bool = Field(False, description="not available yet (watermark issue)")
+    watermark: bool = Field(
+        False, description="watermark the output (Kirchenbauer et al.); the server's gamma and delta, "
+        "or extra.watermark's; detect with POST /watermark/detect"
+    )
     adapter_id: str | None = Field(None, description="not available yet")
 
 

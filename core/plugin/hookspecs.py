@@ -77,5 +77,18 @@ def ember_configure(config: Any) -> None:
 
 
 @hookspec
+def ember_api_routes(service: Any) -> list[Any]:
+    """Return HTTP routes (``starlette.routing.Route``) to add to the API app.
+
+    Called once, when ``ember.api.server.create_app`` builds the app, with the
+    app's ``ember.api.service.GenerationService`` (``service.engine.engine`` is the
+    ``LLMEngine``: tokenizer, logits pipeline; ``service.limits.payload_limit`` bounds
+    request bodies). Each plugin's list is added after the built-in routes; a path
+    that a built-in route already serves is an error. The watermark plugin adds
+    ``POST /watermark/detect`` this way.
+    """
+
+
+@hookspec
 def ember_request_finished(request_id: str, finish_reason: str | None, num_output_tokens: int) -> None:
     """Called once per request after it finished (stopped, hit a length, or aborted)."""
