@@ -295,9 +295,10 @@ ERRORS = [
     ("chat max_tokens 10**12", "/v1/chat/completions", {**CHAT, "max_tokens": 10**12}, 422, "max_tokens"),
     ("max_completion_tokens too many", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 500}, 422,
      "max_completion_tokens"),
-    ("n=2", "/v1/completions", {**COMPLETION, "n": 2}, 422, "n"),
-    ("chat n=2", "/v1/chat/completions", {**CHAT, "n": 2}, 422, "n"),
-    ("best_of", "/v1/completions", {**COMPLETION, "best_of": 2}, 422, "best_of"),
+    ("n=0", "/v1/completions", {**COMPLETION, "n": 0}, 422, "n"),
+    ("chat n=17", "/v1/chat/completions", {**CHAT, "n": 17}, 422, "n"),
+    ("best_of below n", "/v1/completions", {**COMPLETION, "n": 3, "best_of": 2}, 422, None),
+    ("best_of streamed", "/v1/completions", {**COMPLETION, "n": 1, "best_of": 2, "stream": True}, 422, "best_of"),
     ("completion logprobs 6", "/v1/completions", {**COMPLETION, "logprobs": 6}, 422, "logprobs"),
     ("completion logprobs -1", "/v1/completions", {**COMPLETION, "logprobs": -1}, 422, "logprobs"),
     ("completion logprobs true", "/v1/completions", {**COMPLETION, "logprobs": True}, 422, "logprobs"),
@@ -380,8 +381,6 @@ def test_bad_requests_get_openai_errors(http, path, body, status, param):
 
 
 def test_not_available_names_the_issue(http):
-    error = http.post("/v1/completions", json={**COMPLETION, "n": 2}).json()["error"]
-    assert "issue 4" in error["message"] and "`n`" in error["message"]
     error = http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_object"}}).json()["error"]
     assert "grammar-guided JSON" in error["message"]
 
@@ -397,7 +396,7 @@ def test_transport_errors_are_openai_shaped(http):
 
 def test_sdk_raises_on_422_and_server_keeps_serving(client):
     with pytest.raises(openai.UnprocessableEntityError) as info:
-        client.completions.create(model="m", prompt=PROMPT, n=2)
+        client.completions.create(model="m", prompt=PROMPT, n=0)
     assert info.value.body["param"] == "n"
     assert greedy_completion(client, max_tokens=3).usage.completion_tokens == 3
     assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3).usage.completion_tokens == 3
@@ -472,3 +471,34 @@ def test_completion_logprobs_parse_in_the_sdk(client):
                 for t in chunk.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
     assert greedy_completion(client, max_tokens=2).choices[0].logprobs is None
+
+
+def test_n_choices_and_best_of(client, server):
+    # n=3 with seeds: choice i equals a single request with seed + i
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, n=3, seed=40, temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    singles = [client.completions.create(model="m", prompt=PROMPT, max_tokens=6, seed=40 + i, temperature=1.0)
+               for i in range(3)]
+    assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
+    # the prompt counts once, every choice's tokens count
+    assert out.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert out.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    # a list of 2 prompts with n=2: choices prompt-major, as OpenAI orders them
+    out = client.completions.create(model="m", prompt=[PROMPT, "other"], max_tokens=4, n=2, seed=1, temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    # chat, streamed: every choice gets its role chunk, content and finish_reason
+    stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, n=2, seed=7, temperature=1.0, stream=True)
+    texts, reasons = {0: "", 1: ""}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, n=2, seed=7, temperature=1.0)
+    assert [c.message.content for c in plain.choices] == [texts[0], texts[1]]
+    assert set(reasons) == {0, 1}
+    # best_of: returns n, the highest cumulative logprob among best_of candidates
+    best = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, n=1, best_of=4, seed=3, temperature=1.0, logprobs=0)
+    cands = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, n=4, seed=3, temperature=1.0, logprobs=0)
+    top = max(cands.choices, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert len(best.choices) == 1 and best.choices[0].text == top.text
