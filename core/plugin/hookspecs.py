@@ -80,10 +80,10 @@ def ember_configure(config: Any) -> None:
 def ember_api_routes(service: Any) -> list[Any]:
     """Return HTTP routes (``starlette.routing.Route``) to add to the API app.
 
-    Called once, when ``ember.api.server.create_app`` builds the app, with the
-    app's ``ember.api.service.GenerationService`` (``service.engine.engine`` is the
-    ``LLMEngine``: tokenizer, logits pipeline; ``service.limits.payload_limit`` bounds
-    request bodies). Each plugin's list is added after the built-in routes; a path
+    Called once, when the API layer builds the HTTP app (``create_app``), with the
+    app's ``GenerationService`` (``service.engine.engine`` is the ``LLMEngine``:
+    tokenizer, logits pipeline; ``service.limits.payload_limit`` bounds request
+    bodies). Core only declares this hook; the API layer calls it. Each plugin's list is added after the built-in routes; a path
     that a built-in route already serves is an error. The watermark plugin adds
     ``POST /watermark/detect`` this way.
     """
