@@ -270,7 +270,9 @@ BAD_INPUTS = [
     ("truncate too big", "/generate", J({"inputs": "x", "parameters": {"truncate": 10_000}}).encode(), None, 422, "validation"),
     ("grammar not yet", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}).encode(), None, 422, "validation"),
     ("watermark bad gamma", "/generate", J({"inputs": "x", "parameters": {"watermark": True, "extra": {"watermark": {"gamma": 2}}}}).encode(), None, 422, "validation"),
-    ("best_of not yet", "/generate", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
+    ("best_of greedy", "/generate", J({"inputs": "x", "parameters": {"best_of": 2}}).encode(), None, 422, "validation"),
+    ("best_of streamed", "/generate_stream", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),
+    ("best_of too many", "/generate", J({"inputs": "x", "parameters": {"best_of": 17, "do_sample": True}}).encode(), None, 422, "validation"),
     ("top_n_tokens 6", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 6}}).encode(), None, 422, "validation"),
     ("top_n_tokens huge", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": 10**12}}).encode(), None, 422, "validation"),
     ("top_n_tokens negative", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": -1}}).encode(), None, 422, "validation"),
@@ -383,3 +385,20 @@ def test_inference_client_parses_prefill_and_top_tokens(server):
     assert (first["id"] if isinstance(first, dict) else first.id) == out.details.tokens[0].id
     streamed = list(client.text_generation("hello world", max_new_tokens=3, stream=True, details=True, top_n_tokens=2))
     assert all(len(event.top_tokens) == 2 for event in streamed)
+
+
+def test_best_of_returns_the_highest_mean_logprob_and_the_others(server):
+    url, _ = server
+    r = generate(url, "best of", max_new_tokens=8, best_of=3, do_sample=True, seed=21, details=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    others = body["details"]["best_of_sequences"]
+    assert len(others) == 2
+    def mean(d):
+        return sum(t["logprob"] for t in d["tokens"]) / len(d["tokens"])
+    assert all(mean(body["details"]) >= mean(o) for o in others)
+    # each sequence reports the seed that reproduces it alone
+    for seq in [body["details"], *others]:
+        alone = generate(url, "best of", max_new_tokens=8, do_sample=True, seed=seq["seed"]).json()["generated_text"]
+        text = body["generated_text"] if seq is body["details"] else seq["generated_text"]
+        assert alone == text

@@ -9,6 +9,7 @@ from starlette.routing import Route
 from ember.api.openapi import documented
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService
+from ember.sampling_params import MAX_PARALLEL_SAMPLES
 
 
 
@@ -55,7 +56,7 @@ class CommonRoutes:
                 "model_device_type": s.info.backend,
                 "model_pipeline_tag": "text-generation",
                 "max_concurrent_requests": limits.max_concurrent_requests,
-                "max_best_of": 1,
+                "max_best_of": MAX_PARALLEL_SAMPLES,
                 "max_stop_sequences": limits.max_stop_sequences,
                 "max_input_tokens": limits.max_input_tokens,
                 "max_total_tokens": limits.max_total_tokens,

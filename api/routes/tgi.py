@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,15 +19,15 @@ from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.logprobs import Logprob
 from ember.outputs import RequestOutput
+from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
 NOT_YET = {
-    "best_of": (None, "issue 4 (n/best_of)"),
     "grammar": (None, "the grammar-guided decoding issue"),
     "adapter_id": (None, "a LoRA adapters issue"),
 }
-NEUTRAL = {"best_of": 1}
+NEUTRAL: dict = {}
 
 
 def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingParams:
@@ -38,6 +39,9 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
         p.do_sample or p.temperature is not None or p.top_k is not None or p.top_p is not None
         or p.typical_p is not None
     )
+    best_of = p.best_of if p.best_of is not None and p.best_of > 1 else None
+    if best_of is not None and not is_sampling:
+        raise validation_error("`best_of` > 1 needs sampling: set `do_sample` (or temperature, top_k, top_p)", "best_of")
     seed = None
     if is_sampling:
         # TGI reports the seed it used, so that a sampled answer can be reproduced.
@@ -56,6 +60,7 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
             logprobs=p.top_n_tokens or None,
             prompt_logprobs=0 if p.decoder_input_details else None,
             extra=with_watermark(p.extra, p.watermark),
+            best_of=best_of,
         )
     except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
         raise validation_error(str(exc), "parameters") from None
@@ -112,6 +117,8 @@ class TGIRoutes:
                 422, "`decoder_input_details` == true is not supported when streaming tokens",
                 "validation", "decoder_input_details",
             )
+        if is_stream and p.best_of is not None and p.best_of > 1:
+            raise APIError(422, "`best_of` > 1 is not supported when streaming tokens", "validation", "best_of")
         if p.truncate is not None:
             if p.truncate > service.limits.max_input_tokens:
                 raise APIError(
@@ -146,24 +153,45 @@ class TGIRoutes:
                 out = await unless_disconnected(request, service.generate_final(body.inputs, ids, params))
             except ClientDisconnected:
                 return Response(status_code=499)
-        completion = out.outputs[0]
-        text = (body.inputs + completion.text) if body.parameters.return_full_text else completion.text
-        response: dict = {"generated_text": text}
+        # best_of: the candidate with the highest mean logprob wins (as TGI); the others
+        # are reported in details.best_of_sequences
+        ranked = best_completions(out.outputs, len(out.outputs), by="mean")
+        views = [replace(out, outputs=[c]) for c in ranked]
+        response: dict = {"generated_text": self._text(body, views[0])}
         if body.parameters.details:
-            tokens = [
-                tgi.Token(id=t, text=service.token_text(t), logprob=lp, special=service.is_special(t))
-                for t, lp in zip(completion.token_ids, completion.token_logprobs)
-            ]
-            num_top = body.parameters.top_n_tokens or 0
-            response["details"] = tgi.Details(
-                finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
-                generated_tokens=len(completion.token_ids),
-                seed=params.seed,
-                prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
-                tokens=tokens,
-                top_tokens=[top_tokens(service, lp, num_top) for lp in completion.logprobs] if num_top else [],
-            ).model_dump()
+            details = self._details(body, ids, params, views[0])
+            if len(views) > 1:
+                details.best_of_sequences = [
+                    tgi.BestOfSequence(generated_text=self._text(body, v), **self._details(body, ids, params, v).model_dump(
+                        include={"finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens"}))
+                    for v in views[1:]
+                ]
+            response["details"] = details.model_dump()
         return JSONResponse(response)
+
+    @staticmethod
+    def _text(body: tgi.GenerateRequest, out: RequestOutput) -> str:
+        text = out.outputs[0].text
+        return (body.inputs + text) if body.parameters.return_full_text else text
+
+    def _details(self, body: tgi.GenerateRequest, ids: list[int], params: SamplingParams, out: RequestOutput) -> tgi.Details:
+        """Details of one sequence (``out`` holds exactly one completion)."""
+        service = self.service
+        completion = out.outputs[0]
+        tokens = [
+            tgi.Token(id=t, text=service.token_text(t), logprob=lp, special=service.is_special(t))
+            for t, lp in zip(completion.token_ids, completion.token_logprobs)
+        ]
+        num_top = body.parameters.top_n_tokens or 0
+        seed = None if params.seed is None else (params.seed + completion.index) % 2**64  # child i: seed + i
+        return tgi.Details(
+            finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
+            generated_tokens=len(completion.token_ids),
+            seed=seed,
+            prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
+            tokens=tokens,
+            top_tokens=[top_tokens(service, lp, num_top) for lp in completion.logprobs] if num_top else [],
+        )
 
     # -- /generate_stream ----------------------------------------------------------
     @documented(summary="Generate text as server-sent events (TGI)", tag="TGI", request=tgi.GenerateRequest,

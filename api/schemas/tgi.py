@@ -70,6 +70,16 @@ class Token(BaseModel):
     special: bool
 
 
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
 class Details(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
@@ -77,7 +87,7 @@ class Details(BaseModel):
     prefill: list[Token] = Field(default_factory=list)
     tokens: list[Token]
     top_tokens: list[list[Token]] = Field(default_factory=list)
-    best_of_sequences: None = None
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class GenerateResponse(BaseModel):
