@@ -5,13 +5,16 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+from ember.beam_search import BeamSearchParams
 from ember.config import EngineConfig
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+]
 
 
 def __getattr__(name: str):

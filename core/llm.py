@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from ember.config import EngineConfig
 from ember.engine import LLMEngine
+from ember.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ember.outputs import RequestOutput
 from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
@@ -54,6 +55,29 @@ class LLM:
                 best = best_completions(out.outputs, p.n)
                 out.outputs = [replace(c, index=i) for i, c in enumerate(best)]
         return outputs
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        params: BeamSearchParams | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (offline only): per prompt, `params.beam_width` sequences, best first."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or BeamSearchParams()
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        items = []
+        for i in range(count):
+            text = prompts[i] if prompts is not None else None
+            ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
+            ids = self.engine.validate_request(text, SamplingParams(max_tokens=params.max_tokens), ids)
+            items.append((text, ids))
+        return beam_search(self.engine, items, params)
 
     def chat(
         self,
