@@ -502,3 +502,31 @@ def test_n_choices_and_best_of(client, server):
     cands = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, n=4, seed=3, temperature=1.0, logprobs=0)
     top = max(cands.choices, key=lambda c: sum(c.logprobs.token_logprobs))
     assert len(best.choices) == 1 and best.choices[0].text == top.text
+
+
+def test_vllm_extensions_min_tokens_bad_words_stop_token_ids(client, server):
+    url, app = server
+    tok = app.state.service.tokenizer
+    base = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    # "hello" is one token of the tiny tokenizer: a huge bias makes it the greedy pick,
+    # and bad_words removes it again
+    [hello] = tok.encode("hello", add_special_tokens=False)
+    biased = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(hello): 100})
+    assert biased.choices[0].text.startswith("hello")
+    banned = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(hello): 100},
+                                       extra_body={"bad_words": ["hello"]})
+    assert "hello" not in banned.choices[0].text
+    details = httpx.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "details": True}}).json()
+    ids = [t["id"] for t in details["details"]["tokens"]]
+    assert details["generated_text"] == base.choices[0].text
+    stop_at = ids[2]
+    stopped = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [stop_at]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+    longer = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"stop_token_ids": [stop_at], "min_tokens": 5})
+    assert longer.usage.completion_tokens >= 5
+    r = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "stop_token_ids": [10**9]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "min_tokens": -1})
+    assert r.status_code == 422

@@ -171,9 +171,32 @@ class OpenAIRoutes:
                 logprobs=self._num_logprobs(body),
                 n=body.n,
                 best_of=getattr(body, "best_of", None),
+                min_tokens=body.min_tokens or 0,
+                bad_words_token_ids=self._bad_words(body.bad_words or []),
+                stop_token_ids=tuple(self._checked_ids(body.stop_token_ids or [], "stop_token_ids")),
+                ignore_eos=bool(body.ignore_eos),
             )
         except ValueError as exc:
             raise validation_error(str(exc)) from None
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's rule: each word banned as tokenized alone and after a space."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            if not word:
+                raise validation_error("`bad_words` must hold non-empty strings", "bad_words")
+            for variant in (word, " " + word.lstrip()):
+                ids = tuple(self.service.encode(variant, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        return tuple(seqs)
+
+    def _checked_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.service.engine.engine.hf_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise validation_error(f"`{param}` token id {bad} is outside the vocabulary [0, {vocab})", param)
+        return ids
 
     @staticmethod
     def _num_logprobs(body: oa.SamplingFields) -> int | None:

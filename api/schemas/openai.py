@@ -70,6 +70,12 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(
         None, gt=0.0, description="extension: transformers' repetition penalty over prompt and output; 1 is none"
     )
+    min_tokens: int | None = Field(None, ge=0, description="extension: no EOS or stop token before this many tokens")
+    bad_words: list[str] | None = Field(
+        None, max_length=64, description="extension: words never generated (each as tokenized with and without a leading space)"
+    )
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="extension: token ids that end generation")
+    ignore_eos: bool | None = Field(None, description="extension: do not stop at EOS")
     extra: dict[str, Any] | None = Field(
         None, description="extension: third-party logits processors by name, each with its parameters"
     )
