@@ -33,6 +33,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    # Split prompts longer than the step's remaining token budget across steps.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -43,8 +45,8 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            # Without chunked prefill (a later issue) a prompt is prefilled in one step.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunked prefill a prompt is prefilled in one step.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so that any prompt fits one step"
@@ -66,6 +68,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # reuse cached KV blocks of shared prompt prefixes
+    enable_chunked_prefill: bool = True  # split prompts across steps within the token budget
     seed: int | None = None
     disabled_plugins: tuple[str, ...] = ()
     required_plugins: tuple[str, ...] = ()

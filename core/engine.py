@@ -113,7 +113,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens or max(8192, max_model_len)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max_batched, max_model_len), self.kv_manager
+            SchedulerConfig(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill),
+            self.kv_manager,
         )
         # Processors are resolved once, here; per step the runner calls them directly.
         self.logits_pipeline = LogitsPipeline.from_registry(

@@ -111,7 +111,7 @@ class Scheduler:
                 f"(max_model_len) is {self.config.max_model_len}, which leaves no room "
                 "for a generated token"
             )
-        if request.num_prompt_tokens > self.config.max_num_batched_tokens:
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens})"
@@ -159,15 +159,25 @@ class Scheduler:
         )
 
     # -- the step ------------------------------------------------------------
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """Tokens to compute this step: all, or (chunked prefill) what the budget allows."""
+        if num_new <= budget:
+            return num_new
+        return budget if self.config.enable_chunked_prefill else 0
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
-        for request in self.running:
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new <= 0 or num_new > budget:
+        # Decodes first, then prompts still being prefilled in chunks: a long prompt
+        # never holds back the tokens of requests that are already generating.
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for request in decoding + prefilling:
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
                 continue
-            allocated = self.kv.allocate_slots(request.request_id, request.num_tokens)
+            allocated = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
             assert allocated is not None, "admission reserved this request's blocks"
             scheduled.append(self._make_scheduled(request, num_new))
             budget -= num_new
@@ -177,8 +187,8 @@ class Scheduler:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - request.num_computed_tokens - num_cached_tokens
-            if num_new > budget:
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - num_cached_tokens, budget)
+            if num_new <= 0:
                 break
             # worst case minus what the cache already holds, plus the cached blocks
             # that sit in the free queue (taking them uses up free blocks)
@@ -187,7 +197,9 @@ class Scheduler:
             )
             if needed > free_after_reservations:
                 break
-            allocated = self.kv.allocate_slots(request.request_id, request.num_tokens, cached_blocks=cached)
+            allocated = self.kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_cached_tokens + num_new, cached_blocks=cached
+            )
             assert allocated is not None
             if self.kv.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)

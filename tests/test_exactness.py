@@ -119,3 +119,32 @@ def test_shared_prefixes_through_the_prefix_cache_match_transformers(tiny):
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert results[f"s{i}"] == ref, f"{kind}: prompt {i} diverged with a prefix-cache hit"
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_chunked_prefill_matches_transformers(tiny):
+    """A 16-token step budget splits the longer prompts across steps while the others
+    decode; every prompt still gets transformers' greedy tokens."""
+    kind, hf_model, engine = tiny
+    chunked = LLMEngine(EngineConfig(model=str(engine.model_dir), dtype="float32", num_kv_blocks=96, block_size=4,
+                                     max_num_batched_tokens=16, enable_prefix_caching=False))
+    all_prompts = prompts(hf_model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results, step, max_chunks = {}, 0, 0
+    while len(results) < len(all_prompts):
+        for i, join in enumerate(JOIN_AT_STEP):
+            if join == step:
+                chunked.add_request(None, params, prompt_token_ids=all_prompts[i], request_id=f"c{i}")
+        sched_out = chunked.scheduler.schedule()
+        assert sched_out.total_num_scheduled_tokens <= 16
+        max_chunks = max(max_chunks, sum(1 for s in sched_out.scheduled if s.is_prefill and not s.needs_sample))
+        runner_out = chunked.runner.execute(sched_out)
+        for update in chunked.scheduler.update_from_output(sched_out, runner_out):
+            if update.request.is_finished:
+                results[update.request.request_id] = list(update.request.output_token_ids)
+        step += 1
+    assert max_chunks >= 1, "some prompt should have been split"
+    hf_model.generation_config.eos_token_id = None
+    for i, prompt in enumerate(all_prompts):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert results[f"c{i}"] == ref, f"{kind}: prompt {i} (length {len(prompt)}) diverged under chunked prefill"

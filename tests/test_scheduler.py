@@ -14,9 +14,10 @@ from ember.scheduler import ModelRunnerOutput, Scheduler
 EOS = 2
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False,
+                   chunked_prefill=False):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked_prefill), kv)
 
 
 def make_request(rid, prompt_len, max_tokens=4, **params):
@@ -180,6 +181,35 @@ def test_prefix_cache_hit_skips_computed_blocks_and_shares_them():
     assert sched.kv.find_cached_prefix(list(range(10, 20))) == a_table[:2]
 
 
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_batched=8, max_model_len=64, chunked_prefill=True)
+    sched.add_request(make_request("short", 3, max_tokens=10))
+    run_step(sched)  # short: prefilled, first token sampled
+    sched.add_request(make_request("long", 20, max_tokens=2))
+    steps = []
+    while sched.requests.get("long") is not None and not sched.requests["long"].output_token_ids:
+        out, _ = run_step(sched)
+        steps.append([(s.request_id, s.num_tokens, s.start_position, s.needs_sample) for s in out.scheduled])
+    # every step: the decode first (1 token), then up to 7 prompt tokens of "long"
+    assert steps == [
+        [("short", 1, 3, True), ("long", 7, 0, False)],
+        [("short", 1, 4, True), ("long", 7, 7, False)],
+        [("short", 1, 5, True), ("long", 6, 14, True)],
+    ]
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv.num_free_blocks == 32
+
+
+def test_step_budget_below_the_context_needs_chunked_prefill():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_model_len \(64\)"):
+        SchedulerConfig(8, 16, 64, enable_chunked_prefill=False)
+    sched = make_scheduler(max_batched=16, max_model_len=64, chunked_prefill=True)
+    sched.add_request(make_request("x", 40))  # longer than a step: accepted, prefilled in 3 steps
+    sizes = [run_step(sched)[0].scheduled[0].num_tokens for _ in range(3)]
+    assert sizes == [16, 16, 8]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     events=st.lists(
@@ -196,11 +226,13 @@ def test_prefix_cache_hit_skips_computed_blocks_and_shares_them():
     num_blocks=st.integers(8, 24),
     block_size=st.sampled_from([1, 2, 4, 8]),
     prefix_caching=st.booleans(),
+    chunked=st.booleans(),
 )
-def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, block_size, prefix_caching):
+def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, block_size, prefix_caching, chunked):
     # every prompt is range(10, 10 + n): with prefix caching on, they share prefixes
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, max_batched=48,
-                           max_model_len=40, prefix_caching=prefix_caching)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6,
+                           max_batched=7 if chunked else 48, max_model_len=40, prefix_caching=prefix_caching,
+                           chunked_prefill=chunked)
     aborts: dict[int, list[str]] = {}
     step = 0
 
