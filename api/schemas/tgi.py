@@ -70,23 +70,22 @@ class Token(BaseModel):
     special: bool
 
 
-class BestOfSequence(BaseModel):
+class SequenceDetails(BaseModel):
+    """What TGI reports of one generated sequence."""
+
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class BestOfSequence(SequenceDetails):
     generated_text: str
-    finish_reason: Literal["length", "eos_token", "stop_sequence"]
-    generated_tokens: int
-    seed: int | None
-    prefill: list[Token] = Field(default_factory=list)
-    tokens: list[Token]
-    top_tokens: list[list[Token]] = Field(default_factory=list)
 
 
-class Details(BaseModel):
-    finish_reason: Literal["length", "eos_token", "stop_sequence"]
-    generated_tokens: int
-    seed: int | None
-    prefill: list[Token] = Field(default_factory=list)
-    tokens: list[Token]
-    top_tokens: list[list[Token]] = Field(default_factory=list)
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
 
 
