@@ -85,6 +85,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
     "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
     "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
+    "disable_prefix_caching": EnvOption("EMBER_DISABLE_PREFIX_CACHING", _parse_bool),
+    "disable_chunked_prefill": EnvOption("EMBER_DISABLE_CHUNKED_PREFILL", _parse_bool),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
     "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
@@ -113,6 +115,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_batch_total_tokens": None,
     "max_stop_sequences": 4,
     "payload_limit": 2_000_000,
+    "disable_prefix_caching": False,
+    "disable_chunked_prefill": False,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,
     "watermark_delta": None,
@@ -200,6 +204,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--hostname", metavar="H", default=None, help="address to bind (default 127.0.0.1) [EMBER_HOSTNAME]")
     group.add_argument("--port", metavar="P", type=int, default=None, help="port (default 3000) [EMBER_PORT]")
+    group.add_argument(
+        "--disable-prefix-caching", action="store_true", default=None,
+        help="do not reuse the KV blocks of shared prompt prefixes [EMBER_DISABLE_PREFIX_CACHING]",
+    )
+    group.add_argument(
+        "--disable-chunked-prefill", action="store_true", default=None,
+        help="prefill each prompt in one step (then --max-batch-prefill-tokens must cover --max-total-tokens) "
+        "[EMBER_DISABLE_CHUNKED_PREFILL]",
+    )
     limits = parser.add_argument_group("limits")
     for flag, help_text in [
         ("--max-concurrent-requests", "requests in flight before answering 429 (default 128)"),
@@ -360,6 +373,8 @@ def run_serve(args: argparse.Namespace) -> int:
         disabled_plugins=tuple(args.disable_plugin),
         required_plugins=tuple(args.plugin),
         processor_options=_watermark_options(args),
+        enable_prefix_caching=not args.disable_prefix_caching,
+        enable_chunked_prefill=not args.disable_chunked_prefill,
     )
     serve(settings)
     return 0

@@ -114,9 +114,11 @@ def serve(settings: ServerSettings) -> None:
     core = engine.engine
     logger.info(
         "serving %s on backend %s (dtype %s); KV cache holds %d tokens (%d blocks of %d); "
-        "max input %d, max total %d tokens; http://%s:%d",
+        "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; http://%s:%d",
         service.info.model_id, core.backend.describe(), service.info.dtype, core.num_kv_cache_tokens,
-        core.kv_manager.num_blocks, core.kv_manager.block_size, service.limits.max_input_tokens,
-        service.limits.max_total_tokens, settings.hostname, settings.port,
+        core.kv_manager.num_blocks, core.kv_manager.block_size,
+        "on" if core.kv_manager.enable_prefix_caching else "off",
+        "on" if core.scheduler.config.enable_chunked_prefill else "off",
+        service.limits.max_input_tokens, service.limits.max_total_tokens, settings.hostname, settings.port,
     )
     uvicorn.run(app, host=settings.hostname, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)

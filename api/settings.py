@@ -28,6 +28,8 @@ class ServerSettings:
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
@@ -99,6 +101,8 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
         "dtype": settings.dtype,
         "block_size": block_size,
         "disabled_plugins": settings.disabled_plugins,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
         "required_plugins": settings.required_plugins,
         "processor_options": settings.processor_options,
     }

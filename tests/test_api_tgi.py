@@ -106,6 +106,8 @@ def test_compat_route_tokenize_info_health_models(server):
     info = httpx.get(f"{url}/info").json()
     assert info["max_total_tokens"] == 256 and info["max_input_tokens"] == 255
     assert info["backend"] == "cpu" and info["model_dtype"] == "float32" and info["version"]
+    assert info["prefix_caching"] is True and info["chunked_prefill"] is True
+    assert 0.0 <= info["prefix_cache_hit_rate"] <= 1.0 and info["kv_cache_tokens"] == info["num_kv_blocks"] * info["kv_block_size"]
     assert httpx.get(f"{url}/health").status_code == 200
     models = httpx.get(f"{url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == info["model_id"]

@@ -58,7 +58,8 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
     env = {**os.environ, "EMBER_MAX_TOTAL_TOKENS": "128"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [exe, "serve", "--model-id", str(tiny_llama_dir), "--port", str(port), "--max-batch-total-tokens", "2048"],
+            [exe, "serve", "--model-id", str(tiny_llama_dir), "--port", str(port), "--max-batch-total-tokens", "2048",
+             "--disable-prefix-caching"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )
     try:
@@ -80,6 +81,7 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
         info = httpx.get(f"http://127.0.0.1:{port}/info").json()
         assert info["max_total_tokens"] == 128 and info["max_batch_total_tokens"] == 2048
+        assert info["prefix_caching"] is False and info["chunked_prefill"] is True
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -87,4 +89,4 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
         except subprocess.TimeoutExpired:
             proc.kill()
     text = log.read_text()
-    assert "KV cache holds" in text and "backend cpu" in text, text
+    assert "KV cache holds" in text and "backend cpu" in text and "prefix caching off" in text, text

@@ -67,6 +67,10 @@ class CommonRoutes:
                 "version": s.info.version,
                 "backend": s.info.backend,
                 "num_kv_blocks": kv.num_blocks,
+                "kv_cache_tokens": kv.num_blocks * kv.block_size,
+                "prefix_caching": kv.enable_prefix_caching,
+                "prefix_cache_hit_rate": kv.prefix_hit_rate,
+                "chunked_prefill": s.engine.engine.scheduler.config.enable_chunked_prefill,
                 "kv_block_size": kv.block_size,
             }
         )

@@ -140,3 +140,7 @@ class Info(BaseModel):
     backend: str
     num_kv_blocks: int
     kv_block_size: int
+    kv_cache_tokens: int
+    prefix_caching: bool
+    prefix_cache_hit_rate: float
+    chunked_prefill: bool
