@@ -181,8 +181,7 @@ class AsyncLLMEngine:
         except Exception as exc:
             # Fail the requests in flight, keep the loop alive for the next ones.
             logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._streams))
-            for request_id in list(self.engine.scheduler.requests):
-                self.engine.abort_request(request_id)
+            self.engine.abort_all()
             self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
             return
         for out in outputs:

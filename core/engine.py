@@ -245,6 +245,13 @@ class LLMEngine:
             return aborted
         return self._abort_single(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every request, parallel-sampling groups (and their pending siblings) included."""
+        for parent_id in list(self._groups):
+            self.abort_request(parent_id)
+        for request_id in list(self.scheduler.requests):
+            self.abort_request(request_id)
+
     def _abort_single(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)
         state = self._states.pop(request_id, None)

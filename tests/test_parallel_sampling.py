@@ -80,3 +80,14 @@ def test_abort_a_group_frees_everything(llm):
 def test_bad_n_and_best_of(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_abort_all_drops_groups_with_pending_siblings(llm):
+    engine = llm.engine
+    engine.add_request(None, SamplingParams(max_tokens=20, n=4, ignore_eos=True), prompt_token_ids=PROMPT)
+    engine.add_request(None, SamplingParams(max_tokens=20, ignore_eos=True), prompt_token_ids=PROMPT[:7])
+    assert engine.has_unfinished_requests()
+    engine.abort_all()  # before the first step: three siblings still pending
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
