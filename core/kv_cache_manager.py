@@ -165,6 +165,14 @@ class KVCacheManager:
     def prefix_hit_rate(self) -> float:
         return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
 
+    def has_uncached_full_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether a block of the request filled up since the last `cache_full_blocks`
+        (true once per `block_size` decode steps): callers skip building token lists otherwise."""
+        if not self.enable_prefix_caching:
+            return False
+        num_full = min(num_computed_tokens // self.block_size, len(self._block_tables.get(request_id, ())))
+        return len(self._digests.get(request_id, ())) < num_full
+
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the request's blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:

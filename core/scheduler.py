@@ -255,7 +255,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
-            if self.kv.enable_prefix_caching:
+            if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
+                # all_token_ids copies the sequence: only when a block just filled up
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
             request.prompt_logprobs.extend(prompt_lp)
             new_ids: list[int] = []

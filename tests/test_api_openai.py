@@ -7,9 +7,8 @@ import json
 import time
 
 import httpx
+import openai  # the `test` extra installs it
 import pytest
-
-openai = pytest.importorskip("openai")
 
 from server_utils import running_server  # noqa: E402
 
@@ -188,7 +187,7 @@ def test_penalties_logit_bias_and_vllm_extensions(client, server):
 def test_extra_switches_on_a_plugin_processor(client, server):
     engine = server.app.state.service.engine.engine
     if "ban_digits" not in engine.logits_pipeline.names:
-        pytest.skip("the example plugin is not installed: pip install ./examples/ember-legacy-llama")
+        pytest.fail("the example plugin is not installed: pip install --no-deps ./examples/ember-legacy-llama")
     digits = {str(i): 30 for i in server.app.state.service.encode("0123456789", add_special_tokens=False)}
     text = greedy_completion(client, max_tokens=8, logit_bias=digits).choices[0].text
     assert text.isdigit()
