@@ -1,4 +1,4 @@
-"""The `ember` command line: `serve`, `generate`, `download`, `plugins`.
+"""The `ember` command line: `serve`, `generate`, `download`, `plugins`, `watermark`, `bench`.
 
 Every option takes its default from an ``EMBER_*`` environment variable, read when
 `main` runs (never at import); a flag on the command line wins over the variable.
@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_arguments(plugins, with_required=False)
     plugins.add_argument("--json", action="store_true", default=None, help="machine-readable output")
     plugins.set_defaults(handler=run_plugins)
+
+    from ember.api.bench.cli import add_bench_parser  # `ember bench`: its own package
+
+    add_bench_parser(commands, common)
     return parser
 
 
