@@ -3,7 +3,8 @@
 Registered by `ember.api.cli.build_parser`; handlers return the exit status: 0, or 1
 when a request failed (the result is still printed and written). Bad input raises
 ValueError (exit 2). Options have no ``EMBER_*`` variables, except that `offline`
-reads --model, --revision and --dtype defaults as `ember generate` does.
+reads --model, --revision and --dtype defaults as `ember generate` does, and `serve`
+takes --api-key from ``EMBER_API_KEY``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,7 +114,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, common: argparse.Argu
                         help="model name sent with each request (default: the first of GET /v1/models)")
     target.add_argument("--endpoint", choices=ENDPOINT_CHOICES, default="chat",
                         help="chat: /v1/chat/completions (default); completions: /v1/completions")
-    target.add_argument("--api-key", metavar="KEY", default=None, help="sent as `Authorization: Bearer KEY`")
+    target.add_argument("--api-key", metavar="KEY", default=None,
+                        help="sent as `Authorization: Bearer KEY` [EMBER_API_KEY, as `ember serve` reads it]")
     target.add_argument("--extra-body", metavar="JSON", type=_json_object, default={},
                         help="fields merged into every request body, e.g. '{\"top_p\": 0.9}'")
     target.add_argument("--tokenizer", metavar="PATH", default=None,
@@ -228,7 +231,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     load = _load_config(args)
     client = ClientConfig(
         base_url=normalize_base_url(args.base_url), model=args.model_name or "", endpoint=args.endpoint,
-        temperature=args.temperature, ignore_eos=args.ignore_eos, api_key=args.api_key, extra_body=args.extra_body,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=args.extra_body,
+        api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
     )
     tokenizer = None
     if args.tokenizer is not None:
