@@ -34,6 +34,7 @@ class _Add:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +102,18 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Validate, queue and stream one request's outputs (the last has ``finished``).
+        ``priority``: lower is scheduled first (see `LLMEngine.add_request`).
 
         Leaving the iterator early (client gone, task cancelled) aborts the request,
         which frees its KV blocks at the engine's next step.
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         ids = self.validate(prompt, params, prompt_token_ids)
         request_id = request_id or self.new_request_id()
         stream = _RequestStream(asyncio.get_running_loop())
@@ -116,7 +121,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, ids, params))
+        self._commands.put(_Add(request_id, prompt, ids, params, priority))
         self._wakeup.set()
         finished = False
         try:
@@ -169,7 +174,7 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(
                     command.prompt, command.params, prompt_token_ids=command.prompt_token_ids,
-                    request_id=command.request_id,
+                    request_id=command.request_id, priority=command.priority,
                 )
             except ValueError as exc:
                 stream.put(exc)

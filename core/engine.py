@@ -180,26 +180,34 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; it joins the running batch at the next step.
 
-        Raises ValueError as :meth:`validate_request` does.
+        ``priority``: lower is scheduled first and preempted last; equal priorities
+        are first come, first served. Raises ValueError as :meth:`validate_request`
+        does, and for a priority that is not an integer.
         """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self._groups or request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.num_samples > 1:
-            return self._add_group(request_id, prompt, prompt_token_ids, params)
-        return self._add_single(request_id, prompt, prompt_token_ids, params)
+            return self._add_group(request_id, prompt, prompt_token_ids, params, priority)
+        return self._add_single(request_id, prompt, prompt_token_ids, params, priority)
 
-    def _add_single(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> str:
+    def _add_single(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> str:
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             prompt=prompt,
+            priority=priority,
         )
         self.scheduler.add_request(request)
         self._states[request_id] = _RequestState(
@@ -207,12 +215,14 @@ class LLMEngine:
         )
         return request_id
 
-    def _add_group(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> str:
-        group = SampleGroup(parent_id, prompt, prompt_token_ids, params)
+    def _add_group(
+        self, parent_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> str:
+        group = SampleGroup(parent_id, prompt, prompt_token_ids, params, priority)
         self._groups[parent_id] = group
         for index, cid in enumerate(group.child_ids()):
             self._child_to_group[cid] = (parent_id, index)
-        self._add_single(group.child_ids()[0], prompt, prompt_token_ids, child_params(params, 0))
+        self._add_single(group.child_ids()[0], prompt, prompt_token_ids, child_params(params, 0), priority)
         group.pending = list(range(1, group.num_samples))
         if not self.kv_manager.enable_prefix_caching:
             self._admit_siblings(group)  # nothing to share: no reason to wait
@@ -221,7 +231,8 @@ class LLMEngine:
     def _admit_siblings(self, group: SampleGroup) -> None:
         for index in group.pending:
             self._add_single(
-                child_id(group.parent_id, index), group.prompt, group.prompt_token_ids, child_params(group.params, index)
+                child_id(group.parent_id, index), group.prompt, group.prompt_token_ids,
+                child_params(group.params, index), group.priority,
             )
         group.pending = []
 

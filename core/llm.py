@@ -33,8 +33,12 @@ class LLM:
         prompts: str | Sequence[str] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A single ``SamplingParams`` applies to all."""
+        """One output per prompt, in order. A single ``SamplingParams`` applies to all.
+
+        ``priority`` (one for all, or one per prompt): lower is scheduled first and
+        preempted last when the KV cache runs short; equal ones are first come, first served."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -43,11 +47,17 @@ class LLM:
         if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != count:
             raise ValueError(f"{count} prompts but {len(prompt_token_ids)} prompt_token_ids")
         params = self._params_list(sampling_params, count)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * count
+        else:
+            priorities = list(priority)
+            if len(priorities) != count:
+                raise ValueError(f"{count} prompts but {len(priorities)} priorities")
         request_ids = []
         for i in range(count):
             prompt = prompts[i] if prompts is not None else None
             ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
-            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids))
+            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i]))
         outputs = self._run(request_ids)
         for out, p in zip(outputs, params):
             if p.best_of is not None and p.best_of > p.n:
@@ -83,13 +93,14 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = [self._encode_chat(conv) for conv in conversations]
         prompts = [prompt for prompt, _ in encoded]
         ids = [token_ids for _, token_ids in encoded]
-        return self.generate(prompts, sampling_params, prompt_token_ids=ids)
+        return self.generate(prompts, sampling_params, prompt_token_ids=ids, priority=priority)
 
     def stream(
         self,

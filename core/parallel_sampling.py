@@ -37,6 +37,7 @@ class SampleGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
     pending: list[int] = field(default_factory=list)  # child indexes not yet admitted
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
@@ -68,6 +69,7 @@ class SampleGroup:
             new_text=out.new_text,
             prompt_logprobs=out.prompt_logprobs,
             index=index,
+            metrics=out.metrics,
         )
 
 

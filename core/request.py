@@ -41,7 +41,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_index: int = 0
+    arrival_index: int = 0  # set by the scheduler: FCFS order within a priority level
+    priority: int = 0  # lower is scheduled first (and preempted last)
+    num_preemptions: int = 0  # times its KV was freed to be recomputed later
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -2,21 +2,30 @@
 
 Each step, every running request is given the tokens it has not computed yet
 (one, for a request that is decoding), then waiting requests join first come,
-first served while the step's token budget, the running-request cap and the KV
-pool allow. The contract with the model runner is two dataclasses:
-`SchedulerOutput` (what to compute) and `ModelRunnerOutput` (what was sampled),
-so this module is tested with hand-built outputs and no model.
+first served within a priority level (lower `priority` first), while the step's
+token budget, the running-request cap and the KV pool allow. The contract with
+the model runner is two dataclasses: `SchedulerOutput` (what to compute) and
+`ModelRunnerOutput` (what was sampled), so this module is tested with hand-built
+outputs and no model.
 
-Until preemption exists (a later issue), a request is admitted only if the pool
-can hold its worst case (prompt + max_tokens, capped at the context length) on
-top of what running requests have reserved, so a running request never stalls
-for lack of blocks.
+Admission asks only for the blocks of the tokens computed in this step, so the
+pool is used by as many requests as it can hold. When a running request needs a
+block the pool no longer has, the scheduler *preempts by recompute*: the running
+request with the lowest priority, most recently admitted among equals, frees all
+its blocks and goes back to the waiting queue in its arrival place (in practice
+its front); when admitted again it recomputes its prompt and the tokens it had
+generated (a prefix-cache hit where those blocks were not evicted yet) and goes
+on sampling where it stopped. A higher-priority waiting request may also preempt
+a running request of strictly lower priority. A request whose worst case
+(prompt + max_tokens, capped at the context) exceeds the whole pool is refused
+at `add_request`, so the oldest running request can always finish: no deadlock.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import bisect
+import itertools
+from dataclasses import dataclass
 
 from ember.config import SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
@@ -84,16 +93,23 @@ class SchedulerStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    num_preemptions: int = 0  # since start
+
+
+def _queue_order(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_index)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
+        self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
 
     # -- admission ---------------------------------------------------------
     def max_tokens_of(self, request: Request) -> int:
@@ -127,9 +143,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {request.priority!r}")
         self.check_request_fits(request)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        bisect.insort(self.waiting, request, key=_queue_order)
         self.requests[request.request_id] = request
 
     def abort_request(self, request_id: str) -> bool:
@@ -149,14 +168,29 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
+            num_preemptions=self.num_preemptions,
         )
 
-    def _reserved_blocks(self) -> int:
-        """Blocks running requests may still claim to reach their worst case."""
-        return sum(
-            self.kv.num_new_blocks_needed(r.request_id, self.max_tokens_of(r))
-            for r in self.running
-        )
+    # -- preemption ----------------------------------------------------------
+    def _victim(self) -> Request | None:
+        """The running request to preempt: lowest priority, then most recently admitted."""
+        if not self.running:
+            return None
+        index = max(range(len(self.running)), key=lambda i: (self.running[i].priority, i))
+        return self.running[index]
+
+    def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free the request's blocks and queue it to be recomputed. Returns the step
+        tokens given back (it may already have been scheduled this step)."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=_queue_order)
+        item = scheduled.pop(request.request_id, None)
+        return item.num_tokens if item is not None else 0
 
     # -- the step ------------------------------------------------------------
     def _chunk(self, num_new: int, budget: int) -> int:
@@ -167,65 +201,78 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: dict[str, ScheduledRequest] = {}  # in scheduling order
+        preempted_for_blocks = False
 
-        # Decodes first, then prompts still being prefilled in chunks: a long prompt
-        # never holds back the tokens of requests that are already generating.
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        # Decodes first, then prompts (or preempted requests) being computed in chunks:
+        # a long prompt never holds back the tokens of requests already generating.
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
         for request in decoding + prefilling:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            allocated = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            assert allocated is not None, "admission reserved this request's blocks"
-            scheduled.append(self._make_scheduled(request, num_new))
+            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                victim = self._victim()
+                preempted_for_blocks = True
+                budget += self._preempt(victim, scheduled)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
 
-        free_after_reservations = self.kv.num_free_blocks - self._reserved_blocks()
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        # New (or preempted) requests join while nothing had to be preempted for
+        # blocks this step: a pool that just ran short admits no one.
+        while self.waiting and not preempted_for_blocks:
             request = self.waiting[0]
+            victim = self._victim()
+            outranks = victim is not None and victim.priority > request.priority
+            if len(self.running) >= self.config.max_num_seqs:
+                if not outranks:
+                    break
+                budget += self._preempt(victim, scheduled)
+                continue
             cached = self._cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - num_cached_tokens, budget)
+            num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
             if num_new <= 0:
                 break
-            # worst case minus what the cache already holds, plus the cached blocks
-            # that sit in the free queue (taking them uses up free blocks)
-            needed = (
-                self.kv.num_blocks_for(self.max_tokens_of(request)) - len(cached) + self.kv.count_free_among(cached)
-            )
-            if needed > free_after_reservations:
-                break
-            allocated = self.kv.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_cached_tokens + num_new, cached_blocks=cached
-            )
-            assert allocated is not None
-            if self.kv.enable_prefix_caching:
+            allocated = self.kv.allocate_slots(request.request_id, num_cached_tokens + num_new, cached_blocks=cached)
+            if allocated is None:
+                if not outranks:
+                    break
+                budget += self._preempt(victim, scheduled)
+                continue
+            if self.kv.enable_prefix_caching and not request.num_preemptions:
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
-            request.num_computed_tokens += num_cached_tokens
-            free_after_reservations -= needed
-            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._make_scheduled(request, num_new))
+            scheduled[request.request_id] = self._make_scheduled(request, num_new)
             budget -= num_new
 
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled=list(scheduled.values()),
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=finished,
         )
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks covering the prompt's prefix (none for a request that asks for
-        prompt logprobs: those need the prompt's logits, computed)."""
-        if not self.kv.enable_prefix_caching or request.num_computed_tokens:
+        """Cached blocks covering the prefix of the request's tokens: its prompt, and
+        for a preempted request the tokens it generated too. None for a request that
+        still needs prompt logprobs (those need the prompt's logits, computed)."""
+        if not self.kv.enable_prefix_caching:
             return []
-        if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+        num_top = getattr(request.sampling_params, "prompt_logprobs", None)
+        if num_top is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
             return []
-        return self.kv.find_cached_prefix(request.prompt_token_ids)
+        return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids)
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -235,7 +282,8 @@ class Scheduler:
             token_ids=token_ids,
             start_position=start,
             block_table=list(self.kv.get_block_table(request.request_id)),
-            is_prefill=start < request.num_prompt_tokens,
+            # prompt tokens, or several tokens at once (a preempted request recomputing)
+            is_prefill=start < request.num_prompt_tokens or num_new > 1,
             needs_sample=start + num_new == request.num_tokens,
         )
 
@@ -258,7 +306,11 @@ class Scheduler:
             if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
                 # all_token_ids copies the sequence: only when a block just filled up
                 self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            request.prompt_logprobs.extend(prompt_lp)
+            if prompt_lp:
+                # a preempted request recomputes prompt positions it already has
+                # logprobs for: keep the first ones (entry p is at position p)
+                have = len(request.prompt_logprobs) - item.start_position
+                request.prompt_logprobs.extend(prompt_lp[max(0, have):])
             new_ids: list[int] = []
             for k, token_id in enumerate(sampled):
                 request.output_token_ids.append(token_id)
@@ -302,7 +354,7 @@ class Scheduler:
         was_waiting = request.status == RequestStatus.WAITING
         request.status = status
         if was_waiting:
-            self.waiting.remove(request)
+            self.waiting.remove(request)  # identity: Request compares by id
         else:
             self.running.remove(request)
         self.kv.free(request.request_id)

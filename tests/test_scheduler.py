@@ -210,6 +210,107 @@ def test_step_budget_below_the_context_needs_chunked_prefill():
     assert sizes == [16, 16, 8]
 
 
+def test_preemption_frees_the_most_recent_request_and_resumes_it_with_its_tokens():
+    # 5 blocks of 4 tokens; prompts of 4 (1 block), up to 12 new tokens (worst case 4 blocks)
+    sched = make_scheduler(num_blocks=5, block_size=4)
+    for rid in "abc":
+        sched.add_request(make_request(rid, 4, max_tokens=12, ignore_eos=True))
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0]), ("b", [1]), ("c", [2])]
+    # each decode needs a 2nd block: a and b get one, the pool is empty for c,
+    # and c, the most recently admitted, is preempted (its own victim)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0, 3]), ("b", [1, 4])]
+    c = sched.requests["c"]
+    assert (c.status, c.num_computed_tokens, c.num_preemptions, c.output_token_ids) == (RequestStatus.WAITING, 0, 1, [7])
+    assert [r.request_id for r in sched.waiting] == ["c"] and sched.num_preemptions == 1
+    for _ in range(3):
+        out, _ = run_step(sched)
+        assert [s.request_id for s in out.scheduled] == ["a", "b"]  # nobody is admitted into a full pool
+    # 9th token: a takes c's freed block; b finds none and is preempted; b queues
+    # ahead of c (it arrived first)
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0, 3, 2])]
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    b = sched.requests["b"]
+    assert b.output_token_ids == [7] * 5 and b.num_computed_tokens == 0
+    # a runs alone until its 12 tokens are out (its worst case, 4 blocks, fits the pool)
+    while "a" in sched.requests:
+        out, _ = run_step(sched)
+        assert [s.request_id for s in out.scheduled][:1] == ["a"]
+    # b resumes: its prompt and the 5 tokens it generated are computed again in one
+    # prefill that samples its 6th token; c follows in the same step
+    out, _ = run_step(sched)
+    b_item, c_item = out.scheduled
+    assert (b_item.request_id, b_item.start_position, b_item.num_tokens, b_item.needs_sample) == ("b", 0, 9, True)
+    assert b_item.token_ids == [10, 11, 12, 13] + [7] * 5 and b_item.is_prefill
+    assert (c_item.request_id, c_item.num_tokens) == ("c", 5)
+    assert len(b.output_token_ids) == 6
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert b.output_token_ids == [7] * 12 and c.output_token_ids == [7] * 12
+    assert sched.kv.num_free_blocks == 5
+
+
+def test_a_victim_scheduled_earlier_in_the_step_is_unscheduled_and_its_tokens_given_back():
+    # Y (low priority) decodes; X (high priority) prefills in chunks. When X's chunk
+    # finds no block, Y is the victim although decodes were scheduled first this step.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_batched=6, max_model_len=64, chunked_prefill=True)
+    y = make_request("y", 3, max_tokens=10, ignore_eos=True)
+    y.priority = 5
+    sched.add_request(y)
+    run_step(sched)
+    sched.add_request(make_request("x", 12, max_tokens=1, ignore_eos=True))
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_tokens, s.block_table) for s in out.scheduled] == [("y", 1, [0]), ("x", 5, [1, 2])]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start_position, s.num_tokens, s.block_table) for s in out.scheduled] == [
+        ("x", 5, 5, [1, 2, 3])
+    ]
+    assert out.total_num_scheduled_tokens == 5  # y's decode token was given back
+    assert (y.status, y.num_computed_tokens, y.output_token_ids) == (RequestStatus.WAITING, 0, [7, 7])
+    # x finishes its prompt; y recomputes in chunks too: the 4 tokens the budget and
+    # the one free block allow, then the last one, which samples its 3rd token
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out.scheduled] == [
+        ("x", 10, [20, 21], True), ("y", 0, [10, 11, 12, 7], False)
+    ]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out.scheduled] == [
+        ("y", 4, [7], True)
+    ]
+    assert y.output_token_ids == [7, 7, 7] and "x" not in sched.requests
+
+
+def test_priorities_order_the_queue_and_a_higher_one_preempts_a_lower():
+    sched = make_scheduler(max_num_seqs=2)
+    for rid, priority in [("low", 5), ("mid", 1), ("low2", 5), ("top", 0)]:
+        request = make_request(rid, 3, max_tokens=4, ignore_eos=True)
+        request.priority = priority
+        sched.add_request(request)
+    assert [r.request_id for r in sched.waiting] == ["top", "mid", "low", "low2"]
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["top", "mid"]
+    # an urgent arrival while the running cap is full preempts the lowest-priority
+    # running request ("mid"), not "top"; equal priorities never preempt each other
+    urgent = make_request("urgent", 3, max_tokens=2, ignore_eos=True)
+    urgent.priority = -1
+    sched.add_request(urgent)
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["top", "urgent"]
+    assert [r.request_id for r in sched.waiting] == ["mid", "low", "low2"]
+    assert sched.requests["mid"].num_preemptions == 1
+    order = []
+    while sched.has_unfinished_requests():
+        _, updates = run_step(sched)
+        order += [u.request.request_id for u in updates if u.request.is_finished]
+    assert order == ["urgent", "top", "mid", "low", "low2"]
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        bad = make_request("bad", 3)
+        bad.priority = 1.5
+        sched.add_request(bad)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     events=st.lists(
@@ -219,6 +320,7 @@ def test_step_budget_below_the_context_needs_chunked_prefill():
             st.integers(0, 3),  # steps before the next arrival
             st.booleans(),  # sample EOS right away?
             st.integers(-1, 30),  # abort after this many steps (-1: never)
+            st.integers(0, 2),  # priority
         ),
         min_size=1,
         max_size=25,
@@ -234,6 +336,7 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
                            max_batched=7 if chunked else 48, max_model_len=40, prefix_caching=prefix_caching,
                            chunked_prefill=chunked)
     aborts: dict[int, list[str]] = {}
+    finished = []
     step = 0
 
     def do_step():
@@ -247,6 +350,9 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
         if not prefix_caching:
             assert len(owned) == len(set(owned))
         assert len(set(owned)) + sched.kv.num_free_blocks == num_blocks
+        # a preempted request waits with no blocks and nothing computed
+        assert all(not sched.kv.get_block_table(r.request_id) and r.num_computed_tokens == 0 for r in sched.waiting)
+        assert not set(map(id, sched.waiting)) & set(map(id, sched.running))
         for s in out.scheduled:
             assert len(s.block_table) * block_size >= s.start_position + s.num_tokens
         sampled = [
@@ -254,14 +360,17 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
             if s.needs_sample else []
             for s in out.scheduled
         ]
-        sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled))
+        for update in sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled)):
+            if update.request.is_finished:
+                finished.append(update.request)
         for rid in aborts.pop(step, []):
             sched.abort_request(rid)
         step += 1
 
-    for i, (prompt_len, max_tokens, gap, eos, abort_after) in enumerate(events):
+    for i, (prompt_len, max_tokens, gap, eos, abort_after, priority) in enumerate(events):
         rid = f"r{i}{'e' if eos else ''}"
         request = make_request(rid, prompt_len, max_tokens=max_tokens)
+        request.priority = priority
         try:
             sched.add_request(request)
         except ValueError:
@@ -276,4 +385,9 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
         do_step()
     assert not sched.has_unfinished_requests()
     assert sched.kv.num_free_blocks == num_blocks
+    assert all(block.ref_count == 0 for block in sched.kv.pool.blocks)
     assert sched.requests == {}
+    # every request that was not aborted produced what it asked for, preempted or not
+    for request in finished:
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_output_tokens == request.sampling_params.max_tokens or request.num_tokens == 40
