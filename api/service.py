@@ -85,18 +85,22 @@ class GenerationService:
                 f"`{param}` supports at most {self.limits.max_stop_sequences} stop sequences. Given: {len(stop)}", param
             )
 
-    async def generate(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in self.engine.generate(prompt, params, prompt_token_ids=prompt_ids):
+            async for out in self.engine.generate(prompt, params, prompt_token_ids=prompt_ids, priority=priority):
                 yield out
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "unhealthy") from None
         except ValueError as exc:
             raise validation_error(str(exc)) from None
 
-    async def generate_final(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def generate_final(
+        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestOutput:
         last = None
-        async for out in self.generate(prompt, prompt_ids, params):
+        async for out in self.generate(prompt, prompt_ids, params, priority):
             last = out
         assert last is not None and last.finished
         return last

@@ -348,7 +348,7 @@ ERRORS = [
 def test_error_after_the_stream_started_is_an_error_event(http, server, monkeypatch):
     service = server.app.state.service
 
-    async def broken(prompt, prompt_ids, params):
+    async def broken(prompt, prompt_ids, params, priority=0):
         raise APIError(503, "the engine is not running", "unhealthy")
         yield  # an async generator, like GenerationService.generate
 

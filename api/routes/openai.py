@@ -47,6 +47,7 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     echo: str = ""  # text put before the generated text (`echo`)
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +255,7 @@ class OpenAIRoutes:
         async def pump(job: _Job) -> None:
             k = job.params.num_samples
             try:
-                async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params)) as outs:
+                async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority)) as outs:
                     async for out in outs:
                         queue.put_nowait((job.index * k + out.index, choice_view(out)))
             except Exception as exc:
@@ -362,7 +363,7 @@ class OpenAIRoutes:
             params = self._params(body, max_tokens)
             self.service.validate(ids, params)
             echo = "" if not body.echo else text if text is not None else self.service.tokenizer.decode(ids)
-            jobs.append(_Job(index, text, ids, params, echo))
+            jobs.append(_Job(index, text, ids, params, echo, body.priority))
         return jobs
 
     def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:
@@ -459,7 +460,7 @@ class OpenAIRoutes:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, self._max_tokens(len(ids), requested, "messages", param))
         self.service.validate(ids, params)
-        return _Job(0, prompt, ids, params)
+        return _Job(0, prompt, ids, params, priority=body.priority)
 
     def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
         return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None

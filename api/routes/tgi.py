@@ -150,7 +150,8 @@ class TGIRoutes:
         ids, params = await self._prepare(body)
         with service.admit():
             try:
-                out = await unless_disconnected(request, service.generate_final(body.inputs, ids, params))
+                final = service.generate_final(body.inputs, ids, params, body.parameters.priority)
+                out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
         # best_of: the candidate with the highest mean logprob wins (as TGI); the others
@@ -213,7 +214,7 @@ class TGIRoutes:
         service = self.service
         index = 0
         try:
-            async for out in service.generate(body.inputs, ids, params):
+            async for out in service.generate(body.inputs, ids, params, body.parameters.priority):
                 completion = out.outputs[0]
                 new_ids = out.new_token_ids
                 for k, token_id in enumerate(new_ids):

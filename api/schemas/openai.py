@@ -82,6 +82,7 @@ class SamplingFields(Strict):
     watermark: bool | None = Field(
         None, description="extension: watermark the output (as TGI's parameter); gamma/delta via extra.watermark"
     )
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="extension (as vLLM): lower runs first and is preempted last; equal priorities are first come, first served")
 
     @field_validator("logit_bias")
     @classmethod

@@ -47,6 +47,10 @@ class GenerateParameters(Strict):
         "or extra.watermark's; detect with POST /watermark/detect"
     )
     adapter_id: str | None = Field(None, description="not available yet")
+    priority: int = Field(
+        0, ge=-(2**31), le=2**31 - 1,
+        description="Ember extension: lower runs first and is preempted last; equal priorities are first come, first served",
+    )
 
 
 class GenerateRequest(Strict):
