@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import statistics
 import sys
@@ -140,6 +141,16 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, line, match):
         jsonl_requests(path, None, 4)
 
 
+def test_base_url_is_normalized():
+    from ember.api.bench.client import normalize_base_url
+
+    assert normalize_base_url("http://h:1/v1/") == "http://h:1"
+    assert normalize_base_url("https://h/proxy/") == "https://h/proxy"
+    for bad in ("h:1", "ftp://h", "http://"):
+        with pytest.raises(ValueError, match="--base-url"):
+            normalize_base_url(bad)
+
+
 # -- ember bench serve, against a real server ---------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
@@ -171,6 +182,11 @@ def check_result(result: dict, num_requests: int) -> None:
         assert 0 <= r["ttft_s"] <= r["e2el_s"]
         assert r["start_s"] + r["e2el_s"] <= result["duration_s"] + 1e-6
         assert r["chunk_times_s"] == sorted(r["chunk_times_s"]) and r["chunk_times_s"][0] == r["ttft_s"]
+        if r["output_tokens"] > 1:
+            assert r["tpot_s"] == pytest.approx((r["e2el_s"] - r["ttft_s"]) / (r["output_tokens"] - 1))
+    assert result["itl_ms"]["count"] == sum(len(r["chunk_times_s"]) - 1 for r in done)
+    if done:
+        assert result["e2el_ms"]["mean"] == pytest.approx(1000 * statistics.mean(r["e2el_s"] for r in done))
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         s = result[metric]
         if s["count"]:
@@ -302,7 +318,7 @@ def test_serve_bad_input_is_a_clear_error(capsys, argv, match):
     status, out, err = bench(capsys, "serve", *argv, "--no-progress")
     assert status == 2
     assert err.startswith("ember: error: ") and "Traceback" not in err
-    assert pytest.importorskip("re").search(match, err), err
+    assert re.search(match, err), err
 
 
 def test_serve_bad_jsonl_line_is_a_clear_error(capsys, tmp_path):
