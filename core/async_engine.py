@@ -14,18 +14,23 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ember.engine import LLMEngine
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
+from ember.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server ended the request before it finished (e.g. shutting down); the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
         self.num_steps = 0
+        # called in the engine thread after every step that computed tokens; must be quick
+        self._step_listeners: list[Callable[[StepStats], None]] = []
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -144,6 +151,27 @@ class AsyncLLMEngine:
         self._commands.put(_Abort(request_id))
         self._wakeup.set()
 
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight with `RequestAbortedError(reason)` (its caller sees
+        the error, never a silent end) and free its blocks; return how many there were."""
+        with self._lock:
+            request_ids = list(self._streams)
+            streams = list(self._streams.values())
+        for request_id, stream in zip(request_ids, streams):
+            stream.put(RequestAbortedError(reason))
+            self.abort(request_id)
+        return len(request_ids)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running (those whose caller still waits for outputs)."""
+        return len(self._streams)
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call ``listener(stats)`` in the engine thread after each step that computed
+        tokens. A listener that raises is logged, never stops the loop."""
+        self._step_listeners.append(listener)
+
     # -- the engine thread ------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -193,6 +221,13 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
+        stats = self.engine.last_step_stats
+        if stats is not None and stats.kind != "empty":
+            for listener in self._step_listeners:
+                try:
+                    listener(stats)
+                except Exception:
+                    logger.exception("step listener %r failed", listener)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from ember.plugin.manager import EmberPluginManager
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
+from ember.stats import StepStats, record_step
 from ember.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from ember.weights import resolve_model
 
@@ -136,6 +138,7 @@ class LLMEngine:
             num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
         )
 
+        self.last_step_stats: StepStats | None = None
     @property
     def num_kv_cache_tokens(self) -> int:
         return self.kv_manager.num_blocks * self.kv_manager.block_size
@@ -275,7 +278,10 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that changed."""
+        """Schedule, run the model once, and return the requests that changed.
+
+        `last_step_stats` describes the step afterwards (duration, prefill/decode tokens)."""
+        started_at = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -285,6 +291,7 @@ class LLMEngine:
             state = self._states.get(request.request_id)
             if state is None:
                 continue
+        self.last_step_stats = record_step(scheduler_output, updates, started_at)
             if not update.new_token_ids and not request.is_finished:
                 continue
             new_text = self._update_text(state, update.new_token_ids)
@@ -293,7 +300,9 @@ class LLMEngine:
                 self._notify_finished(request)
             outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
         if self._groups:
+            detokenize_started = time.perf_counter()
             outputs = [self._to_parent(out) for out in outputs]
+            request.metrics.detokenize_time += time.perf_counter() - detokenize_started
             self._admit_ready_siblings()
         return outputs
 
@@ -373,6 +382,7 @@ class LLMEngine:
         for entry in state.request.output_top_logprobs[len(state.logprobs) :]:
             state.logprobs.append(to_logprob_dict(entry, self._decode_token))
         return list(state.logprobs)
+            metrics=request.metrics.copy(),
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob
+from ember.stats import RequestMetrics
 
 
 @dataclass
@@ -48,3 +49,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # which completion this step's new_token_ids / new_text belong to (n > 1)
     index: int = 0
+    # the request's timings as of this output (a copy: the engine keeps updating its own)
+    metrics: RequestMetrics | None = None

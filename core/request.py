@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ember.logprobs import PositionLogprobs
 from ember.sampling_params import SamplingParams
+from ember.stats import RequestMetrics
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None
     stop_string: str | None = None
+    # when it arrived, was first scheduled, produced tokens, finished (for metrics and traces)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def num_prompt_tokens(self) -> int:
