@@ -113,7 +113,13 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        max_batched = config.max_num_batched_tokens or max(8192, max_model_len)
+        if config.max_num_batched_tokens is not None:
+            max_batched = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            # at least one decode token for every running request fits a step
+            max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
+        else:
+            max_batched = max(8192, max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill),
             self.kv_manager,
@@ -132,13 +138,13 @@ class LLMEngine:
         self._groups: dict[str, SampleGroup] = {}  # parallel sampling, by parent id
         self._child_to_group: dict[str, tuple[str, int]] = {}
         self._counter = itertools.count()
+        self.last_step_stats: StepStats | None = None
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
             num_blocks, block_size, num_blocks * block_size,
             num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
         )
 
-        self.last_step_stats: StepStats | None = None
     @property
     def num_kv_cache_tokens(self) -> int:
         return self.kv_manager.num_blocks * self.kv_manager.block_size
@@ -285,24 +291,24 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.last_step_stats = record_step(scheduler_output, updates, started_at)
         outputs: list[RequestOutput] = []
         for update in updates:
             request = update.request
             state = self._states.get(request.request_id)
             if state is None:
                 continue
-        self.last_step_stats = record_step(scheduler_output, updates, started_at)
             if not update.new_token_ids and not request.is_finished:
                 continue
+            detokenize_started = time.perf_counter()
             new_text = self._update_text(state, update.new_token_ids)
+            request.metrics.detokenize_time += time.perf_counter() - detokenize_started
             if request.is_finished:
                 del self._states[request.request_id]
                 self._notify_finished(request)
             outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
         if self._groups:
-            detokenize_started = time.perf_counter()
             outputs = [self._to_parent(out) for out in outputs]
-            request.metrics.detokenize_time += time.perf_counter() - detokenize_started
             self._admit_ready_siblings()
         return outputs
 
@@ -376,13 +382,13 @@ class LLMEngine:
             new_token_ids=list(new_ids),
             new_text=new_text,
             prompt_logprobs=prompt_logprobs,
+            metrics=request.metrics.copy(),
         )
 
     def _logprobs(self, state: _RequestState) -> list[dict[int, Logprob]]:
         for entry in state.request.output_top_logprobs[len(state.logprobs) :]:
             state.logprobs.append(to_logprob_dict(entry, self._decode_token))
         return list(state.logprobs)
-            metrics=request.metrics.copy(),
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
