@@ -90,6 +90,12 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
     "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
+    "api_key": EnvOption("EMBER_API_KEY", str),
+    "cors_allow_origin": EnvOption("EMBER_CORS_ALLOW_ORIGIN", _parse_names),
+    "json_output": EnvOption("EMBER_JSON_OUTPUT", _parse_bool),
+    "otlp_endpoint": EnvOption("EMBER_OTLP_ENDPOINT", str),
+    "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
+    "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -120,6 +126,12 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,
     "watermark_delta": None,
+    "api_key": None,
+    "cors_allow_origin": [],
+    "json_output": False,
+    "otlp_endpoint": None,
+    "otlp_service_name": "ember",
+    "graceful_termination_timeout": 30.0,
 }
 
 
@@ -212,6 +224,33 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--disable-chunked-prefill", action="store_true", default=None,
         help="prefill each prompt in one step (then --max-batch-prefill-tokens must cover --max-total-tokens) "
         "[EMBER_DISABLE_CHUNKED_PREFILL]",
+    )
+    production = parser.add_argument_group("production (docs/operations.md)")
+    production.add_argument(
+        "--api-key", metavar="KEY", default=None,
+        help="require `Authorization: Bearer KEY` on the API routes; prefer the variable, which `ps` "
+        "does not show [EMBER_API_KEY]",
+    )
+    production.add_argument(
+        "--cors-allow-origin", metavar="ORIGIN", type=_names_argument, action=_ExtendNames, default=None,
+        help="allow browser requests from this origin, or * (repeatable, or comma-separated) [EMBER_CORS_ALLOW_ORIGIN]",
+    )
+    production.add_argument(
+        "--json-output", action="store_true", default=None,
+        help="log one JSON object per line (timestamp, level, request_id, trace_id, message, fields) [EMBER_JSON_OUTPUT]",
+    )
+    production.add_argument(
+        "--otlp-endpoint", metavar="URL", default=None,
+        help="export traces over OTLP/HTTP to URL (e.g. http://localhost:4318); none: no tracing [EMBER_OTLP_ENDPOINT]",
+    )
+    production.add_argument(
+        "--otlp-service-name", metavar="NAME", default=None,
+        help="service.name of the exported traces (default ember) [EMBER_OTLP_SERVICE_NAME]",
+    )
+    production.add_argument(
+        "--graceful-termination-timeout", metavar="S", type=float, default=None,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended with an error "
+        "(default 30) [EMBER_GRACEFUL_TERMINATION_TIMEOUT]",
     )
     limits = parser.add_argument_group("limits")
     for flag, help_text in [
@@ -379,6 +418,12 @@ def run_serve(args: argparse.Namespace) -> int:
         processor_options=_watermark_options(args),
         enable_prefix_caching=not args.disable_prefix_caching,
         enable_chunked_prefill=not args.disable_chunked_prefill,
+        api_key=args.api_key,
+        cors_allow_origins=tuple(args.cors_allow_origin),
+        json_output=args.json_output,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_service_name=args.otlp_service_name,
+        graceful_termination_timeout=args.graceful_termination_timeout,
     )
     serve(settings)
     return 0
@@ -482,20 +527,27 @@ def _print_error(message: str) -> None:
 
 
 @contextmanager
-def _log_to_stderr(level: str) -> Iterator[None]:
+def _log_to_stderr(level: str, json_output: bool = False) -> Iterator[None]:
     """Send the `ember` logger to stderr at `level` for the duration of one command;
-    restore it afterwards so that `main` called in-process leaves logging as it was."""
-    logger = logging.getLogger("ember")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    previous_level = logger.level
-    logger.setLevel(level.upper())
-    logger.addHandler(handler)
+    restore it afterwards so that `main` called in-process leaves logging as it was.
+    With ``json_output`` uvicorn's own logger goes through the same JSON handler, so
+    that every line on stderr is one JSON object."""
+    from ember.api.logs import create_handler
+
+    handler = create_handler(sys.stderr, json_output)
+    loggers = [logging.getLogger("ember")] + ([logging.getLogger("uvicorn")] if json_output else [])
+    previous = [(logger, logger.level, logger.propagate) for logger in loggers]
+    loggers[0].setLevel(level.upper())
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = logger.propagate and not json_output
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous_level)
+        for logger, previous_level, propagate in previous:
+            logger.removeHandler(handler)
+            logger.setLevel(previous_level)
+            logger.propagate = propagate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -513,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_error(str(exc))
         return 2
     try:
-        with _log_to_stderr(args.log_level):
+        with _log_to_stderr(args.log_level, bool(getattr(args, "json_output", False))):
             return args.handler(args)
     except PluginLoadError as exc:
         _print_error(str(exc))

@@ -13,6 +13,8 @@ import json
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from ember.api.context import current
+
 
 class Flavor(enum.Enum):
     TGI = "tgi"
@@ -51,6 +53,7 @@ def overloaded() -> APIError:
 
 OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -74,7 +77,15 @@ def error_body(exc: APIError, flavor: Flavor) -> dict:
     }
 
 
+def note_error(exc: APIError) -> None:
+    """Tell the current request's context (metrics, span, access log) how it failed."""
+    ctx = current()
+    if ctx is not None:
+        ctx.note_error(exc.status, exc.error_type)
+
+
 def error_response(exc: APIError, flavor: Flavor) -> JSONResponse:
+    note_error(exc)
     return JSONResponse(error_body(exc, flavor), status_code=exc.status)
 
 
@@ -103,4 +114,5 @@ def _is_json(value: object) -> bool:
 
 
 def sse_error_event(exc: APIError, flavor: Flavor) -> bytes:
+    note_error(exc)
     return b"data: " + json.dumps(error_body(exc, flavor)).encode() + b"\n\n"

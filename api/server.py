@@ -2,20 +2,30 @@
 
 The engine runs in its own thread (`AsyncLLMEngine`); the event loop only parses,
 validates, queues and streams, so /health answers while a batch computes.
+Production concerns (docs/operations.md) wrap the routes: `RequestMiddleware`
+(request id, API key, drain gate, metrics, traces, access log), CORS, the warm-up
+that makes /health ready, and the SIGTERM drain of `serve`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ember.api.errors import APIError, Flavor, error_response
+from ember.api.lifecycle import Lifecycle
+from ember.api.metrics import ServerMetrics
+from ember.api.middleware import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.tgi import TGIRoutes
 from ember.api.service import GenerationService, ModelInfo
@@ -52,9 +62,14 @@ def plugin_routes(plugin_manager, service: GenerationService, taken: set[str]) -
     return added
 
 
-def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
-    """Build the app around a started or startable engine (started on app startup)."""
+def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider=None) -> Starlette:
+    """Build the app around a started or startable engine (started on app startup).
+
+    ``tracer_provider``: an OpenTelemetry SDK provider to trace with (tests pass one
+    with an in-memory exporter); without one, ``settings.otlp_endpoint`` makes one.
+    """
     import ember
+    from ember.api.tracing import Tracing, create_otlp_provider
 
     core = engine.engine
     limits = resolve_limits(settings, core.max_model_len, core.num_kv_cache_tokens)
@@ -67,7 +82,15 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
         created=int(time.time()),
     )
     service = GenerationService(engine, limits, info)
-    routes = CommonRoutes(service).routes() + TGIRoutes(service).routes()
+    lifecycle = Lifecycle(engine, settings.graceful_termination_timeout)
+    metrics = ServerMetrics(engine, in_flight=lambda: service.num_in_flight)
+    if tracer_provider is not None:
+        tracing = Tracing(tracer_provider)
+    elif settings.otlp_endpoint is not None:
+        tracing = Tracing(create_otlp_provider(settings.otlp_endpoint, settings.otlp_service_name), owns_provider=True)
+    else:
+        tracing = Tracing(None)
+    routes = CommonRoutes(service, lifecycle).routes() + TGIRoutes(service).routes() + metrics.routes()
     try:
         from ember.api.routes.openai import OpenAIRoutes
     except ImportError:  # pragma: no cover - during development only
@@ -82,17 +105,34 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
+        warm_up = asyncio.get_running_loop().create_task(lifecycle.warm_up())
         try:
             yield
         finally:
+            warm_up.cancel()
             engine.shutdown()
+            tracing.shutdown()
 
+    middleware = []
+    if settings.cors_allow_origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_allow_origins), allow_methods=["*"],
+            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER.decode(), TRACE_ID_HEADER.decode()],
+        ))
+    middleware.append(Middleware(
+        RequestMiddleware, metrics=metrics, tracing=tracing, lifecycle=lifecycle, api_key=settings.api_key,
+        known_paths=frozenset(route.path for route in routes),
+    ))
     app = Starlette(
         routes=routes,
+        middleware=middleware,
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.lifecycle = lifecycle
+    app.state.metrics = metrics
+    app.state.tracing = tracing
     return app
 
 
@@ -104,10 +144,39 @@ def build_engine(settings: ServerSettings) -> AsyncLLMEngine:
     return AsyncLLMEngine(core)
 
 
-def serve(settings: ServerSettings) -> None:
-    """Load the model, then serve until interrupted."""
+def create_server(app: Starlette, settings: ServerSettings):
+    """A uvicorn server whose first SIGTERM/SIGINT drains (`Lifecycle.begin_drain`)
+    instead of closing the listening socket at once; a second signal stops it now."""
     import uvicorn
 
+    lifecycle: Lifecycle = app.state.lifecycle
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            loop = getattr(self, "_loop", None)
+            if sig not in (signal.SIGTERM, signal.SIGINT) or loop is None or lifecycle.is_draining or not self.started:
+                super().handle_exit(sig, frame)  # uvicorn's own: stop now
+                return
+            loop.call_soon_threadsafe(lifecycle.begin_drain, self._drained)
+
+        def _drained(self) -> None:
+            self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+    config = uvicorn.Config(
+        app, host=settings.hostname, port=settings.port, log_level="warning",
+        # the drain already waited for the requests; this only bounds closing idle connections
+        timeout_graceful_shutdown=5,
+        log_config=None if settings.json_output else uvicorn.config.LOGGING_CONFIG,
+    )
+    return DrainingServer(config)
+
+
+def serve(settings: ServerSettings) -> None:
+    """Load the model, then serve until interrupted (SIGTERM/SIGINT drain first)."""
     engine = build_engine(settings)
     app = create_app(engine, settings)
     service: GenerationService = app.state.service
@@ -121,4 +190,4 @@ def serve(settings: ServerSettings) -> None:
         "on" if core.scheduler.config.enable_chunked_prefill else "off",
         service.limits.max_input_tokens, service.limits.max_total_tokens, settings.hostname, settings.port,
     )
-    uvicorn.run(app, host=settings.hostname, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)
+    create_server(app, settings).run()

@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ember.api.context import GenerationRecord, current
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.settings import ResolvedLimits
-from ember.async_engine import AsyncLLMEngine, EngineDeadError
+from ember.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -88,13 +89,29 @@ class GenerationService:
     async def generate(
         self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs; the current request's context records their timings and counts."""
+        record = GenerationRecord(len(prompt_ids), params.num_samples)
+        ctx = current()
+        if ctx is not None:
+            ctx.generations.append(record)
         try:
             async for out in self.engine.generate(prompt, params, prompt_token_ids=prompt_ids, priority=priority):
+                record.observe(out)
                 yield out
         except EngineDeadError as exc:
+            record.error_type = "unhealthy"
             raise APIError(503, str(exc), "unhealthy") from None
+        except RequestAbortedError as exc:
+            record.error_type = "shutting_down"
+            raise APIError(503, str(exc), "shutting_down") from None
         except ValueError as exc:
+            record.error_type = "validation"
             raise validation_error(str(exc)) from None
+        except Exception:
+            record.error_type = "generation"
+            raise
+        finally:
+            record.end_time = time.time()
 
     async def generate_final(
         self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0

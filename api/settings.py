@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+
+API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
+ORIGIN_PATTERN = re.compile(r"https?://[^\s/]+")
 
 
 @dataclass(frozen=True)
@@ -34,10 +39,20 @@ class ServerSettings:
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
     processor_options: dict = field(default_factory=dict)
+    # Production (docs/operations.md): access, CORS, logs, traces, shutdown.
+    api_key: str | None = None
+    cors_allow_origins: tuple[str, ...] = field(default_factory=tuple)
+    json_output: bool = False
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "ember"
+    graceful_termination_timeout: float = 30.0
+
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
+        object.__setattr__(self, "cors_allow_origins", tuple(self.cors_allow_origins))
+        self.check_production_options()
         positive = {
             "port": self.port,
             "max_concurrent_requests": self.max_concurrent_requests,
@@ -57,6 +72,24 @@ class ServerSettings:
         if self.max_stop_sequences < 0:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
         self.check_consistency()
+
+    def check_production_options(self) -> None:
+        if self.api_key is not None and not API_KEY_PATTERN.fullmatch(self.api_key):
+            raise ValueError("--api-key must be 1 to 512 visible ASCII characters without spaces")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not ORIGIN_PATTERN.fullmatch(origin):
+                raise ValueError(
+                    f"--cors-allow-origin {origin!r} is not an origin: give scheme://host[:port] (no path) or *"
+                )
+        if self.otlp_endpoint is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.otlp_endpoint):
+            raise ValueError(
+                f"--otlp-endpoint {self.otlp_endpoint!r} must be an http(s) URL, e.g. http://localhost:4318"
+            )
+        if not self.otlp_service_name.strip():
+            raise ValueError("--otlp-service-name must not be empty")
+        timeout = self.graceful_termination_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(f"--graceful-termination-timeout must be a number of seconds >= 0, got {timeout!r}")
 
     def check_consistency(self) -> None:
         """Refuse limits that contradict each other, naming both."""

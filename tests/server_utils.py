@@ -4,7 +4,8 @@
         httpx.post(f"{url}/generate", json={"inputs": "hi"})
 
 Keyword arguments are `ServerSettings` fields; `engine` overrides `EngineConfig`
-fields (default: float32, 128 KV blocks of 8 tokens).
+fields (default: float32, 128 KV blocks of 8 tokens); `tracer_provider` goes to
+`create_app`. The server is yielded once ready (its warm-up request has run).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class RunningServer(NamedTuple):
 
 
 @contextmanager
-def running_server(model_dir: Path | str, engine: dict[str, Any] | None = None, **settings: Any) -> Iterator[RunningServer]:
+def running_server(
+    model_dir: Path | str, engine: dict[str, Any] | None = None, tracer_provider: Any = None, **settings: Any
+) -> Iterator[RunningServer]:
     import uvicorn
 
     from ember.api.server import create_app
@@ -39,13 +42,14 @@ def running_server(model_dir: Path | str, engine: dict[str, Any] | None = None, 
     engine_kwargs = {"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 128, "block_size": 8}
     engine_kwargs.update(engine or {})
     async_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs)))
-    app = create_app(async_engine, ServerSettings(**{"model_id": str(model_dir), **settings}))
+    app = create_app(async_engine, ServerSettings(**{"model_id": str(model_dir), **settings}), tracer_provider)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="ember-test-server", daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not server.started:
+        lifecycle = app.state.lifecycle
+        while not server.started or not (lifecycle.is_ready or lifecycle.warm_up_error is not None):
             if not thread.is_alive():
                 raise RuntimeError("the test server exited during startup (see the log above)")
             if time.monotonic() > deadline:

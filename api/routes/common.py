@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ember.api.lifecycle import Lifecycle
 from ember.api.openapi import documented
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService
@@ -23,8 +24,9 @@ def with_watermark(extra: dict | None, is_watermarked: bool | None) -> dict:
 
 
 class CommonRoutes:
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: GenerationService, lifecycle: Lifecycle | None = None) -> None:
         self.service = service
+        self.lifecycle = lifecycle
 
     def routes(self) -> list[Route]:
         return [
@@ -33,15 +35,23 @@ class CommonRoutes:
             Route("/v1/models", self.models, methods=["GET"]),
         ]
 
-    @documented(summary="Health: 200 while the engine runs, 503 otherwise", tag="Common")
+    @documented(summary="Health: 200 once warmed up and while serving, 503 otherwise", tag="Common")
     async def health(self, request: Request) -> Response:
-        """200 while the engine loop runs; 503 (with the reason) once it died."""
+        """200 while the engine loop runs and the server is ready (warmed up, not draining);
+        503 with the reason otherwise."""
         engine = self.service.engine
-        if engine.is_running:
+        lifecycle = self.lifecycle
+        if not engine.is_running:
+            message, error_type = f"engine is not running: {engine.dead_error!r}", "unhealthy"
+        elif lifecycle is None or lifecycle.is_ready:
             return JSONResponse({"status": "ok"})
-        return JSONResponse(
-            {"error": f"engine is not running: {engine.dead_error!r}", "error_type": "unhealthy"}, status_code=503
-        )
+        elif lifecycle.is_draining:
+            message, error_type = "the server is shutting down", "shutting_down"
+        elif lifecycle.warm_up_error is not None:
+            message, error_type = f"warm-up failed: {lifecycle.warm_up_error!r}", "unhealthy"
+        else:
+            message, error_type = "warming up: the model is loaded, its first forward pass has not run yet", "starting"
+        return JSONResponse({"error": message, "error_type": error_type}, status_code=503)
 
     @documented(summary="Model, dtype, backend, limits and version", tag="Common", response=tgi.Info)
     async def info(self, request: Request) -> Response:

@@ -1,0 +1,52 @@
+"""Log records that carry the request: its id and trace id, as text or one JSON object a line.
+
+`RequestContextFilter` stamps every record with the current request's id and trace
+id (None outside a request, e.g. in the engine thread). `JsonFormatter` writes
+``{"timestamp", "level", "logger", "request_id", "trace_id", "message", "fields"}``;
+``fields`` holds what the call passed as ``extra={"fields": {...}}``, and the
+traceback when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+
+from ember.api.context import current
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class RequestContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = current()
+        if not hasattr(record, "request_id"):
+            record.request_id = ctx.request_id if ctx is not None else None
+        if not hasattr(record, "trace_id"):
+            record.trace_id = ctx.trace_id if ctx is not None else None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = dict(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        payload = {
+            "timestamp": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", None),
+            "trace_id": getattr(record, "trace_id", None),
+            "message": record.getMessage(),
+            "fields": fields,
+        }
+        return json.dumps(payload, ensure_ascii=False, default=str)
+
+
+def create_handler(stream, json_output: bool) -> logging.Handler:
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RequestContextFilter())
+    handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(TEXT_FORMAT, "%H:%M:%S"))
+    return handler
