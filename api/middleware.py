@@ -111,8 +111,10 @@ class RequestMiddleware:
             raise
         finally:
             if is_api:
-                self.lifecycle.num_active -= 1
-                self._finish(ctx, span, path)
+                try:
+                    self._finish(ctx, span, path)
+                finally:  # after the metrics and spans: num_active == 0 means all are recorded
+                    self.lifecycle.num_active -= 1
             deactivate(token)
 
     def _check_key(self, scope: Scope) -> APIError | None:

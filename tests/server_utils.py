@@ -22,6 +22,16 @@ from starlette.applications import Starlette
 STARTUP_TIMEOUT_S = 60.0
 
 
+def wait_idle(app: Starlette, timeout: float = 10.0) -> None:
+    """Until no API request is being served: a client has its whole response a moment
+    before the server has recorded the request (metrics, spans, access log)."""
+    deadline = time.monotonic() + timeout
+    while app.state.lifecycle.num_active:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{app.state.lifecycle.num_active} request(s) still being served after {timeout} s")
+        time.sleep(0.005)
+
+
 class RunningServer(NamedTuple):
     url: str  # http://127.0.0.1:<port>, no trailing slash
     app: Starlette

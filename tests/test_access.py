@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ember.api.cli import main
 from ember.api.settings import ServerSettings
-from server_utils import running_server
+from server_utils import running_server, wait_idle
 
 KEY = "s3cret-Key_0123456789"
 ORIGIN = "https://app.example"
@@ -92,8 +92,9 @@ def test_open_routes_need_no_key(server):
 
 
 def test_refusals_are_counted_as_unauthorized(server):
-    url, _ = server
+    url, app = server
     call(url, *CHAT)
+    wait_idle(app)
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
     samples = [s for s in families["ember_requests"].samples if s.name == "ember_requests_total"
                and s.labels == {"route": "/v1/chat/completions", "outcome": "client_error", "error_type": "unauthorized"}]

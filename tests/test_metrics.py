@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_utils import running_server
+from server_utils import running_server, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,10 @@ def server(tiny_llama_dir):
         yield running
 
 
-def scrape(url: str) -> dict[str, list]:
+def scrape(url: str, app=None) -> dict[str, list]:
+    """The metrics; with ``app``, once the requests already answered are all recorded."""
+    if app is not None:
+        wait_idle(app)
     r = httpx.get(f"{url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {family.name: family.samples for family in text_string_to_metric_families(r.text)}
@@ -37,7 +40,7 @@ def value(families: dict, family: str, sample: str | None = None, **labels: str)
 def test_exact_counts_after_a_known_workload(server):
     url, app = server
     service = app.state.service
-    before = scrape(url)
+    before = scrape(url, app)
     prompts = ["hello world", "the quick brown fox", "a"]
     expected_prompt = expected_generated = 0
     for i, prompt in enumerate(prompts):  # /generate, greedy: the tiny model never stops early
@@ -62,7 +65,7 @@ def test_exact_counts_after_a_known_workload(server):
     assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "bogus": 1}).status_code == 422
     assert httpx.get(f"{url}/nowhere").status_code == 404
 
-    after = scrape(url)
+    after = scrape(url, app)
 
     def delta(family, sample=None, **labels):
         return value(after, family, sample, **labels) - value(before, family, sample, **labels)
@@ -117,7 +120,7 @@ def test_exact_counts_after_a_known_workload(server):
 
 
 def test_gauges_follow_a_request_in_flight(server):
-    url, _ = server
+    url, app = server
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{url}/generate_stream", json={"inputs": "keep going", "parameters": {"max_new_tokens": 200}}) as r:
             lines = r.iter_lines()
@@ -130,6 +133,7 @@ def test_gauges_follow_a_request_in_flight(server):
     while value(after := scrape(url), "ember_requests_in_flight") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert value(after, "ember_requests_in_flight") == 0
+    after = scrape(url, app)
     # the client left mid-stream: counted as cancelled, not as a success
     assert value(after, "ember_requests", "ember_requests_total", route="/generate_stream", outcome="cancelled",
                  error_type="cancelled") >= 1
@@ -140,7 +144,7 @@ def test_each_app_has_its_own_registry(server, tiny_llama_dir):
     with running_server(tiny_llama_dir, max_total_tokens=64) as (other_url, other_app):
         assert other_app.state.metrics.registry is not app.state.metrics.registry
         httpx.post(f"{other_url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}, timeout=60)
-        other = scrape(other_url)
+        other = scrape(other_url, other_app)
         assert value(other, "ember_requests", "ember_requests_total", route="/generate", outcome="success", error_type="none") == 1
         assert value(other, "ember_generation_tokens", "ember_generation_tokens_total") == 2
 
