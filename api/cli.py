@@ -522,7 +522,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- entry point -------------------------------------------------------------------------------
 
 
-def _print_error(message: str) -> None:
+def _print_error(message: str, json_output: bool = False) -> None:
+    if json_output:  # --json-output: stderr stays one JSON object per line
+        from ember.api.logs import JsonFormatter
+
+        record = logging.LogRecord("ember.cli", logging.ERROR, __file__, 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+        return
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
@@ -564,14 +570,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         _print_error(str(exc))
         return 2
+    json_output = bool(getattr(args, "json_output", False))
     try:
-        with _log_to_stderr(args.log_level, bool(getattr(args, "json_output", False))):
+        with _log_to_stderr(args.log_level, json_output):
             return args.handler(args)
     except PluginLoadError as exc:
-        _print_error(str(exc))
+        _print_error(str(exc), json_output)
         return 1
     except ValueError as exc:
-        _print_error(str(exc))
+        _print_error(str(exc), json_output)
         return 2
     except KeyboardInterrupt:
         return 130

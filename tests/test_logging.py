@@ -96,3 +96,15 @@ def test_text_format_names_the_request(tiny_llama_dir):
         logger.removeHandler(handler)
         logger.setLevel(previous)
     assert "POST /generate 200 success" in stream.getvalue() and "(request text-1)" in stream.getvalue()
+
+
+def test_cli_errors_are_json_too_with_json_output(capsys):
+    from ember.api.cli import main
+
+    assert main(["serve", "--model-id", "/nonexistent", "--json-output", "--max-input-tokens", "9", "--max-total-tokens", "5"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "ERROR" and record["logger"] == "ember.cli" and record["request_id"] is None
+    assert record["message"].startswith("--max-input-tokens (9) must be < --max-total-tokens (5)")
+    assert main(["serve", "--model-id", "/nonexistent", "--max-input-tokens", "9", "--max-total-tokens", "5"]) == 2
+    assert capsys.readouterr().err.startswith("ember: error: --max-input-tokens (9)")
