@@ -290,3 +290,19 @@ def test_smollm2_watermarked_samples_are_detected(smollm2_dir):
     # detection threshold, and no bias.
     assert max(plain) < 4, plain
     assert abs(statistics.mean(plain)) < 1, plain
+    # Calibration, the property the "all plain z < 2" bar stands for: the same 20
+    # plain texts scored under 40 other keys give z with mean ~0 and sd ~1 (measured
+    # 0.02 and 0.97), and the share of keys under which all 20 stay below 2 is near
+    # the 0.977^20 = 63% a calibrated detector allows (measured 68%).
+    vocab = detector.green_list.vocab_size
+    scored = [(list(out.outputs[0].token_ids), out.prompt_token_ids[-1]) for out in outputs[20:]]
+    per_key = [
+        [Detector(GreenList(vocab, 0.25, f"calibration-{k}")).detect(ids, prefix_token_id=prev).z_score for ids, prev in scored]
+        for k in range(40)
+    ]
+    pooled = [z for zs in per_key for z in zs]
+    all_below_2 = sum(max(zs) < 2 for zs in per_key) / len(per_key)
+    print(f"plain under 40 keys: z mean {statistics.mean(pooled):.3f} sd {statistics.pstdev(pooled):.3f}; "
+          f"keys with all 20 below 2: {all_below_2:.0%}")
+    assert abs(statistics.mean(pooled)) < 0.15 and 0.8 < statistics.pstdev(pooled) < 1.2
+    assert sum(z > 4 for z in pooled) == 0
