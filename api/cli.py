@@ -38,6 +38,15 @@ class EnvOption:
     convert: Callable[[str], Any]
 
 
+def _parse_size(text: str, error: type[Exception] = argparse.ArgumentTypeError) -> int:
+    from ember.api.settings import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise error(str(exc)) from None
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -83,6 +92,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_total_tokens": EnvOption("EMBER_MAX_TOTAL_TOKENS", int),
     "max_batch_prefill_tokens": EnvOption("EMBER_MAX_BATCH_PREFILL_TOKENS", int),
     "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
+    "kv_cache_memory": EnvOption("EMBER_KV_CACHE_MEMORY", lambda text: _parse_size(text, ValueError)),
+    "max_batch_size": EnvOption("EMBER_MAX_BATCH_SIZE", int),
     "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
     "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
     "disable_prefix_caching": EnvOption("EMBER_DISABLE_PREFIX_CACHING", _parse_bool),
@@ -119,6 +130,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_total_tokens": None,
     "max_batch_prefill_tokens": None,
     "max_batch_total_tokens": None,
+    "kv_cache_memory": None,
+    "max_batch_size": None,
     "max_stop_sequences": 4,
     "payload_limit": 2_000_000,
     "disable_prefix_caching": False,
@@ -257,13 +270,22 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-concurrent-requests", "requests in flight before answering 429 (default 128)"),
         ("--max-input-tokens", "longest prompt in tokens (default: max-total-tokens - 1)"),
         ("--max-total-tokens", "prompt + generated tokens of one request (default: the model's context)"),
-        ("--max-batch-prefill-tokens", "tokens one engine step computes (default: max(max-input-tokens, 4096))"),
+        ("--max-batch-prefill-tokens", "tokens one engine step computes (default: the backend's step budget with chunked prefill, CPU 512; else max(max-input-tokens, 4096))"),
         ("--max-batch-total-tokens", "tokens the KV cache holds for all requests (default: from the memory budget)"),
         ("--max-stop-sequences", "stop sequences per request (default 4)"),
         ("--payload-limit", "largest request body in bytes (default 2000000)"),
     ]:
         dest = flag[2:].replace("-", "_")
         limits.add_argument(flag, metavar="N", type=int, default=None, help=f"{help_text} [{ENV_OPTIONS[dest].variable}]")
+    limits.add_argument(
+        "--max-batch-size", metavar="N", type=int, default=None,
+        help="requests running at once; more wait in the queue (default 256) [EMBER_MAX_BATCH_SIZE]",
+    )
+    limits.add_argument(
+        "--kv-cache-memory", metavar="SIZE", type=_parse_size, default=None,
+        help="memory for the KV cache, e.g. 512MiB or 2GiB (default: the backend's share of free memory; "
+        "CPU: a quarter of available RAM, at most 2 GiB) [EMBER_KV_CACHE_MEMORY]",
+    )
 
 
 def _add_watermark_arguments(parser: argparse.ArgumentParser, *, with_delta: bool) -> None:
@@ -411,6 +433,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_total_tokens=args.max_total_tokens,
         max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_batch_size=args.max_batch_size,
         max_stop_sequences=args.max_stop_sequences,
         payload_limit=args.payload_limit,
         disabled_plugins=tuple(args.disable_plugin),

@@ -72,7 +72,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider
     from ember.api.tracing import Tracing, create_otlp_provider
 
     core = engine.engine
-    limits = resolve_limits(settings, core.max_model_len, core.num_kv_cache_tokens)
+    limits = resolve_limits(
+        settings, core.max_model_len, core.num_kv_cache_tokens, core.scheduler.config.max_num_batched_tokens
+    )
     model_id = settings.served_model_name or settings.model_id or core.config.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
     info = ModelInfo(
         model_id=model_id,

@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 
 
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
+SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` (ValueError naming the text)."""
+    match = SIZE_PATTERN.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, KB, MB or GB")
+    number, unit = match.groups()
+    size = int(float(number) * SIZE_UNITS[(unit or "b").lower()])
+    if size < 1:
+        raise ValueError(f"{text!r} is not a size of at least 1 byte")
+    return size
 ORIGIN_PATTERN = re.compile(r"https?://[^\s/]+")
 
 
@@ -30,6 +45,8 @@ class ServerSettings:
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
     max_batch_total_tokens: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the KV cache (default: the backend's share of free memory)
+    max_batch_size: int | None = None  # requests running at once (the engine's max_num_seqs)
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
@@ -47,7 +64,6 @@ class ServerSettings:
     otlp_service_name: str = "ember"
     graceful_termination_timeout: float = 30.0
 
-
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
@@ -63,6 +79,8 @@ class ServerSettings:
             "max_total_tokens": self.max_total_tokens,
             "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
             "max_batch_total_tokens": self.max_batch_total_tokens,
+            "kv_cache_memory": self.kv_cache_memory,
+            "max_batch_size": self.max_batch_size,
         }
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
             if not isinstance(value, int) or value < 1:
@@ -71,6 +89,11 @@ class ServerSettings:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         if self.max_stop_sequences < 0:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
+        if self.kv_cache_memory is not None and self.max_batch_total_tokens is not None:
+            raise ValueError(
+                f"give --kv-cache-memory ({self.kv_cache_memory} bytes) or --max-batch-total-tokens "
+                f"({self.max_batch_total_tokens} tokens), not both: each sizes the KV cache"
+            )
         self.check_consistency()
 
     def check_production_options(self) -> None:
@@ -100,10 +123,11 @@ class ServerSettings:
                     f"({self.max_total_tokens}): a request needs room for at least one generated token"
                 )
         if self.max_batch_prefill_tokens is not None and self.max_input_tokens is not None:
-            if self.max_batch_prefill_tokens < self.max_input_tokens:
+            if self.max_batch_prefill_tokens < self.max_input_tokens and not self.enable_chunked_prefill:
                 raise ValueError(
                     f"--max-batch-prefill-tokens ({self.max_batch_prefill_tokens}) must be >= "
-                    f"--max-input-tokens ({self.max_input_tokens}): a prompt is prefilled in one step"
+                    f"--max-input-tokens ({self.max_input_tokens}): without chunked prefill a prompt is "
+                    "prefilled in one step"
                 )
         if self.max_batch_total_tokens is not None and self.max_total_tokens is not None:
             if self.max_batch_total_tokens < self.max_total_tokens:
@@ -142,14 +166,24 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
     if settings.max_total_tokens is not None:
         kwargs["max_model_len"] = settings.max_total_tokens
     if settings.max_batch_prefill_tokens is not None:
-        kwargs["max_num_batched_tokens"] = max(settings.max_batch_prefill_tokens, settings.max_total_tokens or 0)
+        kwargs["max_num_batched_tokens"] = (
+            settings.max_batch_prefill_tokens if settings.enable_chunked_prefill
+            else max(settings.max_batch_prefill_tokens, settings.max_total_tokens or 0)
+        )
     if settings.max_batch_total_tokens is not None:
         kwargs["num_kv_blocks"] = -(-settings.max_batch_total_tokens // block_size)
+    if settings.kv_cache_memory is not None:
+        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory
+    if settings.max_batch_size is not None:
+        kwargs["max_num_seqs"] = settings.max_batch_size
     return kwargs
 
 
-def resolve_limits(settings: ServerSettings, max_model_len: int, num_kv_tokens: int) -> ResolvedLimits:
-    """Fill the derived limits from the loaded engine and check them against it."""
+def resolve_limits(
+    settings: ServerSettings, max_model_len: int, num_kv_tokens: int, step_tokens: int | None = None
+) -> ResolvedLimits:
+    """Fill the derived limits from the loaded engine (``step_tokens``: its per-step
+    token budget) and check them against it."""
     max_total = settings.max_total_tokens or max_model_len
     if max_total > max_model_len:
         raise ValueError(f"--max-total-tokens ({max_total}) exceeds the model's context ({max_model_len})")
@@ -157,7 +191,7 @@ def resolve_limits(settings: ServerSettings, max_model_len: int, num_kv_tokens: 
     limits = ResolvedLimits(
         max_input_tokens=max_input,
         max_total_tokens=max_total,
-        max_batch_prefill_tokens=settings.max_batch_prefill_tokens or max(max_input, 4096),
+        max_batch_prefill_tokens=settings.max_batch_prefill_tokens or step_tokens or max(max_input, 4096),
         max_batch_total_tokens=settings.max_batch_total_tokens or num_kv_tokens,
         max_concurrent_requests=settings.max_concurrent_requests,
         max_stop_sequences=settings.max_stop_sequences,
@@ -168,6 +202,7 @@ def resolve_limits(settings: ServerSettings, max_model_len: int, num_kv_tokens: 
         max_total_tokens=limits.max_total_tokens,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
         max_batch_total_tokens=limits.max_batch_total_tokens,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
     )  # the same consistency checks on the derived values
     if limits.max_batch_total_tokens > num_kv_tokens:
         raise ValueError(

@@ -68,6 +68,10 @@ class BaseBackend(ABC):
     name: ClassVar[str]
     #: Higher wins when the user does not name a backend and several are available.
     priority: ClassVar[int] = 0
+    #: Tokens one engine step computes when chunked prefill is on and the user gave
+    #: no budget: smaller bounds the gap a long prompt puts between other requests'
+    #: tokens, larger computes prompts in fewer, more efficient steps.
+    default_step_tokens: ClassVar[int] = 2048
 
     @classmethod
     @abstractmethod

@@ -65,7 +65,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
+    # tokens one step computes; None: the backend's default_step_tokens with chunked
+    # prefill (CPU 512), else max(8192, max_model_len)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # reuse cached KV blocks of shared prompt prefixes
     enable_chunked_prefill: bool = True  # split prompts across steps within the token budget

@@ -113,7 +113,13 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        max_batched = config.max_num_batched_tokens or max(8192, max_model_len)
+        if config.max_num_batched_tokens is not None:
+            max_batched = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            # at least one decode token for every running request fits a step
+            max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
+        else:
+            max_batched = max(8192, max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill),
             self.kv_manager,

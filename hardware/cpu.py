@@ -140,6 +140,9 @@ class CPUBackend(BaseBackend):
 
     name = "cpu"
     priority = 0
+    # a 512-token chunk already runs the GEMMs near their peak here, and keeps a long
+    # prompt from stalling running streams for seconds (benchmarks/bench_scheduler.py)
+    default_step_tokens = 512
 
     def __init__(self) -> None:
         self._native_bf16: bool | None = None
@@ -182,16 +185,29 @@ class CPUBackend(BaseBackend):
         return self.compute_dtype(dtype)
 
     def kv_cache_memory_bytes(self, model_bytes: int) -> int:
-        # A quarter of the RAM still available, capped at 2 GiB: the CPU shares memory
-        # with everything else on the host, and the cache is zeroed at start.
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            available = 8 << 30
-        return int(max(256 << 20, min(2 << 30, available // 4)))
+        # A quarter of the RAM still available (weights are loaded by now), capped at
+        # 2 GiB: the CPU shares memory with everything else on the host, and the
+        # cache is zeroed at start.
+        return int(max(256 << 20, min(2 << 30, available_memory_bytes() // 4)))
 
     def create_attention(self) -> BaseAttention:
         return CPUAttention()
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can hand out without swapping: /proc/meminfo's MemAvailable
+    (free pages plus reclaimable cache), else free pages, else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
 
 
 @hookimpl

@@ -25,10 +25,16 @@ def free_port() -> int:
     "argv, message",
     [
         (["--max-input-tokens", "100", "--max-total-tokens", "50"], "--max-input-tokens (100) must be < --max-total-tokens (50)"),
-        (["--max-input-tokens", "100", "--max-batch-prefill-tokens", "10"], "--max-batch-prefill-tokens (10) must be >= --max-input-tokens (100)"),
+        (["--max-input-tokens", "100", "--max-batch-prefill-tokens", "10", "--disable-chunked-prefill"],
+         "--max-batch-prefill-tokens (10) must be >= --max-input-tokens (100)"),
         (["--max-total-tokens", "100", "--max-batch-total-tokens", "10"], "--max-batch-total-tokens (10) must be >= --max-total-tokens (100)"),
         (["--port", "70000"], "--port must be at most 65535"),
         (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be a positive integer"),
+        (["--kv-cache-memory", "1MiB", "--max-batch-total-tokens", "100"],
+         "give --kv-cache-memory (1048576 bytes) or --max-batch-total-tokens (100 tokens), not both"),
+        (["--kv-cache-memory", "lots"], "'lots' is not a size"),
+        (["--kv-cache-memory", "0GiB"], "'0GiB' is not a size of at least 1 byte"),
+        (["--max-batch-size", "0"], "--max-batch-size must be a positive integer"),
     ],
 )
 def test_contradictory_limits_are_refused_before_loading(capsys, argv, message):
@@ -41,6 +47,17 @@ def test_settings_read_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("EMBER_MAX_INPUT_TOKENS", "60")
     assert main(["serve", "--model-id", "/nonexistent"]) == 2
     assert "--max-input-tokens (60) must be < --max-total-tokens (50)" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_sizes_parse_and_the_variable_is_checked(monkeypatch, capsys):
+    from ember.api.settings import parse_size
+
+    assert [parse_size(t) for t in ["4096", "512MiB", "2GiB", "1.5GB", "64 kib", "3B"]] == [
+        4096, 512 << 20, 2 << 30, 1_500_000_000, 64 << 10, 3,
+    ]
+    monkeypatch.setenv("EMBER_KV_CACHE_MEMORY", "a lot")
+    assert main(["serve", "--model-id", "/nonexistent"]) == 2
+    assert "EMBER_KV_CACHE_MEMORY='a lot' is invalid: 'a lot' is not a size" in capsys.readouterr().err
 
 
 def test_limits_beyond_the_model_are_refused():

@@ -80,6 +80,8 @@ class CommonRoutes:
                 "kv_cache_tokens": kv.num_blocks * kv.block_size,
                 "prefix_caching": kv.enable_prefix_caching,
                 "prefix_cache_hit_rate": kv.prefix_hit_rate,
+                "num_preemptions": s.engine.engine.scheduler.num_preemptions,
+                "max_batch_size": s.engine.engine.scheduler.config.max_num_seqs,
                 "chunked_prefill": s.engine.engine.scheduler.config.enable_chunked_prefill,
                 "kv_block_size": kv.block_size,
             }

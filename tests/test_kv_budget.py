@@ -1,0 +1,65 @@
+"""The KV memory budget: the pool is sized from an explicit budget or the backend's
+share of free memory, reported in tokens, and never grows: a workload that needs more
+than the pool preempts instead of allocating."""
+
+import httpx
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.hardware.cpu import CPUBackend, available_memory_bytes
+
+from server_utils import running_server
+
+
+def kv_bytes(llm) -> int:
+    return sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+
+
+def test_an_explicit_budget_sizes_the_pool_and_it_never_grows(tiny_llama_dir):
+    budget = 300_000
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=budget)
+    engine = llm.engine
+    per_token = engine.model.kv_cache_spec.bytes_per_token(engine.kv_dtype)
+    assert per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
+    num_blocks = budget // (per_token * 4)
+    assert engine.kv_manager.num_blocks == num_blocks
+    assert engine.num_kv_cache_tokens == num_blocks * 4
+    assert kv_bytes(llm) == num_blocks * 4 * per_token <= budget
+    pointers = [t.data_ptr() for t in engine.runner.kv_caches]
+
+    # 12 requests of 60 tokens each need 180 blocks at once: more than the pool
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[[5 + i] * 20 for i in range(12)], sampling_params=params)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert engine.scheduler.num_preemptions > 0
+    assert [t.data_ptr() for t in engine.runner.kv_caches] == pointers
+    assert kv_bytes(llm) == num_blocks * 4 * per_token
+    assert engine.kv_manager.num_free_blocks == num_blocks
+
+
+def test_a_budget_below_one_block_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="holds less than one block"):
+        LLM(model=str(tiny_llama_dir), dtype="float32", block_size=16, kv_cache_memory_bytes=1000)
+
+
+def test_the_cpu_default_is_a_quarter_of_available_memory_capped():
+    budget = CPUBackend().kv_cache_memory_bytes(100 << 20)
+    assert budget == max(256 << 20, min(2 << 30, available_memory_bytes() // 4))
+    assert 0 < available_memory_bytes()
+
+
+def test_the_server_reports_capacity_in_tokens(tiny_llama_dir):
+    with running_server(tiny_llama_dir, engine={"num_kv_blocks": None, "kv_cache_memory_bytes": 2 << 20}) as srv:
+        info = httpx.get(f"{srv.url}/info").json()
+    per_token = 2 * 2 * 2 * 16 * 4
+    assert info["num_kv_blocks"] == (2 << 20) // (per_token * 8)
+    assert info["kv_cache_tokens"] == info["num_kv_blocks"] * 8 == info["max_batch_total_tokens"]
+    assert info["num_preemptions"] == 0
+
+
+def test_serve_settings_pass_the_budget_and_batch_size_to_the_engine():
+    from ember.api.settings import ServerSettings, engine_config_kwargs
+
+    kwargs = engine_config_kwargs(ServerSettings(kv_cache_memory=64 << 20, max_batch_size=8))
+    assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["max_num_seqs"] == 8
+    assert "num_kv_blocks" not in kwargs
