@@ -99,6 +99,14 @@ class BaseBackend(ABC):
         a storage dtype may upcast (and must document it)."""
         return dtype
 
+    def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype weights are kept in on the device for a model loaded in ``dtype``.
+        They are always rounded to ``dtype`` first, so the numbers are the model's;
+        the default keeps them there. A backend whose compute dtype differs may keep
+        them in the compute dtype instead, when converting them on every forward
+        costs more than the memory it saves."""
+        return dtype
+
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV cache is stored in for a model loaded in ``dtype``
         (default: the same)."""

@@ -52,11 +52,16 @@ def load_model(
 ) -> BaseCausalLM:
     cls = get_model_class(hf_config, architectures)
     compute_dtype = backend.compute_dtype(dtype)
-    model = cls(hf_config, attention, compute_dtype, dtype=dtype, device=backend.device)
-    model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(Path(model_dir)))
+    weight_dtype = backend.weight_dtype(dtype)
+    model = cls(hf_config, attention, compute_dtype, dtype=weight_dtype, device=backend.device)
+    # rounded to the model's dtype first: a bf16 model computes with bf16 numbers
+    # whatever dtype the backend keeps them in
+    model.load_weights(
+        (name, tensor.to(dtype).to(weight_dtype)) for name, tensor in iter_safetensors(Path(model_dir))
+    )
     model.eval()
     logger.info(
-        "loaded %s from %s: dtype %s, compute dtype %s, on %s",
-        cls.__name__, model_dir, dtype, compute_dtype, backend.describe(),
+        "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s",
+        cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(),
     )
     return model

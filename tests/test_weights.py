@@ -645,3 +645,23 @@ def test_smollm2_second_resolve_is_instant(smollm2_dir, tmp_path, monkeypatch):
     assert resolve_model(None, progress=False) == smollm2_dir  # through EMBER_CACHE_DIR, set by the fixture
     assert resolve_model(DEFAULT_MODEL_ID.upper(), progress=False) == smollm2_dir
     assert time.monotonic() - start < 2.0
+
+
+def test_bf16_weights_are_rounded_to_bf16_and_kept_in_the_backends_weight_dtype(tiny_llama_dir, monkeypatch):
+    """On a CPU without native bf16 the weights of a bf16 model are kept in fp32 (no
+    conversion on every forward) but hold exactly the bf16-rounded numbers."""
+    from ember import LLM
+    from ember.hardware.cpu import CPUBackend
+
+    monkeypatch.setattr(CPUBackend, "compute_dtype", lambda self, dtype: torch.float32)
+    engine = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=16).engine
+    assert engine.dtype == torch.bfloat16
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ours = engine.model.layers[0].mlp.down_proj.weight
+    theirs = reference.model.layers[0].mlp.down_proj.weight
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, theirs.to(torch.bfloat16).to(torch.float32))
+    assert not torch.equal(ours, theirs)  # it really was rounded
+    monkeypatch.setattr(CPUBackend, "compute_dtype", lambda self, dtype: dtype)
+    engine = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=16).engine
+    assert engine.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16

@@ -127,6 +127,8 @@ def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
     for dtype in dtypes:
         compute = backend.compute_dtype(dtype)
         assert isinstance(compute, torch.dtype), f"{name}: compute_dtype({dtype}) gave {compute!r}"
+        kept = backend.weight_dtype(dtype)
+        assert kept in (dtype, compute), f"{name}: weight_dtype({dtype}) gave {kept!r}, neither {dtype} nor {compute}"
 
     budget = backend.kv_cache_memory_bytes(100 << 20)
     assert isinstance(budget, int) and budget > 0, f"{name}: kv_cache_memory_bytes gave {budget!r}, not an int > 0"
