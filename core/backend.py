@@ -14,10 +14,12 @@ Tensor layout shared by every backend:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,13 @@ class BaseBackend(ABC):
         default is ``dtype`` itself; a backend whose hardware lacks fast kernels for
         a storage dtype may upcast (and must document it)."""
         return dtype
+
+    def linear_op(self) -> Callable[..., torch.Tensor]:
+        """``op(x, weight, bias=None) -> x @ weight.T + bias``, as ``F.linear``: the
+        matrix product every ``Linear`` layer runs (default ``F.linear``). A backend
+        may return a faster kernel for its device; it must agree with ``F.linear``
+        to float rounding (the conformance check compares them)."""
+        return F.linear
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype weights are kept in on the device for a model loaded in ``dtype``.

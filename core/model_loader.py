@@ -10,6 +10,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ember.backend import BaseAttention, BaseBackend
 from ember.models.base import BaseCausalLM
+from ember.models.layers import Linear
 from ember.plugin.registry import Registry
 from ember.weights import iter_safetensors
 
@@ -60,6 +61,11 @@ def load_model(
         (name, tensor.to(dtype).to(weight_dtype)) for name, tensor in iter_safetensors(Path(model_dir))
     )
     model.eval()
+    op = backend.linear_op()
+    model.linear_op = op
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.linear_op = op
     logger.info(
         "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s",
         cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(),

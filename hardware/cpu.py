@@ -118,6 +118,33 @@ class CPUAttention(BaseAttention):
         return out
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        # float32 only: without AVX512-BF16/AMX oneDNN has no bf16 inner product, and
+        # F.linear gives the clear error for mixed dtypes
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_ONEDNN_OK: bool | None = None
+
+
+def _onednn_linear_works() -> bool:
+    """Whether this torch has oneDNN's linear and it agrees with F.linear (checked once)."""
+    global _ONEDNN_OK
+    if _ONEDNN_OK is None:
+        try:
+            x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+            _ONEDNN_OK = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+                and torch.allclose(_onednn_linear(x, w), F.linear(x, w), atol=1e-5)
+            )
+        except (RuntimeError, AttributeError):
+            _ONEDNN_OK = False
+    return _ONEDNN_OK
+
+
 def _has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: PyTorch's oneDNN then runs bf16 GEMMs fast."""
     try:
@@ -177,6 +204,14 @@ class CPUBackend(BaseBackend):
         if self._native_bf16 is None:
             self._native_bf16 = _has_native_bf16()
         return torch.bfloat16 if self._native_bf16 else torch.float32
+
+    def linear_op(self):
+        # oneDNN's linear beat F.linear (MKL sgemm) at every batch size measured on a
+        # 2-core AVX2 EPYC: 1 row 30 vs 38 ms, 32 rows 105 vs 139 ms, 128 rows 258 vs
+        # 307 ms per SmolLM2 forward's projections. Private op: F.linear where absent.
+        if os.environ.get("EMBER_CPU_LINEAR", "onednn") == "onednn" and _onednn_linear_works():
+            return _onednn_linear
+        return F.linear
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Converting every bf16 weight to fp32 on every forward read and wrote three

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.backend import BaseAttention
@@ -32,7 +33,13 @@ class BaseCausalLM(nn.Module, ABC):
     Constructed as ``cls(hf_config, attention, compute_dtype)`` on the meta
     device or directly on the target device; weights arrive through
     :meth:`load_weights` using the Hugging Face checkpoint names.
+
+    ``linear_op`` (``F.linear`` by default) is the backend's matrix product, set by
+    the loader on the model and on every :class:`ember.models.layers.Linear`; a
+    model that multiplies by a weight outside a ``Linear`` (a tied LM head) uses it.
     """
+
+    linear_op = staticmethod(F.linear)
 
     @property
     @abstractmethod

@@ -12,7 +12,11 @@ from torch import nn
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with weights stored in one dtype and multiplied in the
     compute dtype (see ``BaseBackend.compute_dtype``). ``output_sizes`` records the
-    row blocks of a fused projection (qkv, gate+up) so loaders can fill each part."""
+    row blocks of a fused projection (qkv, gate+up) so loaders can fill each part.
+    ``linear_op`` is ``F.linear`` unless the loader sets the backend's
+    (``BaseBackend.linear_op``)."""
+
+    linear_op = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -50,7 +54,7 @@ class Linear(nn.Module):
         if w.dtype != self.compute_dtype:
             w = w.to(self.compute_dtype)
             b = b.to(self.compute_dtype) if b is not None else None
-        return F.linear(x, w, b)
+        return self.linear_op(x, w, b)
 
 
 class RMSNorm(nn.Module):

@@ -143,7 +143,7 @@ class LlamaForCausalLM(BaseCausalLM):
             weight = self.embed_tokens.weight
             if weight.dtype != self.compute_dtype:
                 weight = weight.to(self.compute_dtype)
-            logits = F.linear(hidden_states, weight)
+            logits = self.linear_op(hidden_states, weight)
         else:
             logits = self.lm_head(hidden_states)
         return logits.float()

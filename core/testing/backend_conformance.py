@@ -26,6 +26,7 @@ import unittest
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ember.backend import BaseAttention, BaseBackend, SequenceSlice
 
@@ -129,6 +130,20 @@ def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
         assert isinstance(compute, torch.dtype), f"{name}: compute_dtype({dtype}) gave {compute!r}"
         kept = backend.weight_dtype(dtype)
         assert kept in (dtype, compute), f"{name}: weight_dtype({dtype}) gave {kept!r}, neither {dtype} nor {compute}"
+
+    op = backend.linear_op()
+    for dtype in dtypes:
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+        w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        b = torch.randn(48, generator=torch.Generator().manual_seed(2)).to(dtype)
+        device = backend.device
+        for bias in (None, b):
+            got = op(x.to(device), w.to(device), None if bias is None else bias.to(device)).float().cpu()
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            tol = 1e-4 if dtype == torch.float32 else 5e-2 * want.abs().max().item()
+            assert got.shape == want.shape and torch.allclose(got, want, atol=tol), (
+                f"{name}: linear_op disagrees with F.linear in {dtype} (max error {(got - want).abs().max().item():.3g})"
+            )
 
     budget = backend.kv_cache_memory_bytes(100 << 20)
     assert isinstance(budget, int) and budget > 0, f"{name}: kv_cache_memory_bytes gave {budget!r}, not an int > 0"
