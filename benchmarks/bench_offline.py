@@ -37,6 +37,17 @@ STYLES = [
 ]
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what platform knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_conversations(n: int) -> list[list[dict]]:
     convs = []
     for i in range(n):
@@ -147,7 +158,7 @@ def main() -> None:
         "identical_greedy_outputs": same,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model_name(),
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
