@@ -18,23 +18,8 @@ from pathlib import Path
 
 import torch
 
-TOPICS = [
-    "the water cycle", "how a CPU cache works", "the history of the printing press",
-    "why the sky is blue", "photosynthesis", "the rules of chess", "black holes",
-    "how vaccines work", "the French revolution", "compound interest", "plate tectonics",
-    "the TCP handshake", "how bread rises", "the life of bees", "jazz improvisation",
-    "the Pythagorean theorem",
-]
-STYLES = [
-    "Explain {t} in one sentence.",
-    "Write a short paragraph about {t} for a ten-year-old.",
-    "I am preparing a lecture. Give me an outline covering {t}, with three main points, "
-    "each with a short example, and a closing summary that ties them together.",
-    "My friend and I disagree about {t}. She says it is simple, I say it has many subtle "
-    "parts. Could you walk through the main ideas step by step, note the common "
-    "misconceptions, and then tell us which of us is closer to the truth and why? "
-    "Please be thorough but keep the language plain.",
-]
+# The chat set, shared with `ember bench ... --dataset chat` (one definition).
+from ember.api.bench.datasets import STYLES, TOPICS  # noqa: E402
 
 
 def cpu_model_name() -> str:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_offline import cpu_model_name  # noqa: E402
 
 SYSTEM_TEXT = (
     "You are a careful assistant for a public library. Answer questions about opening hours, "
@@ -33,16 +36,6 @@ QUESTION_WORDS = [
     "opening", "hours", "weekend", "children", "books", "renew", "online", "fine", "lost", "card",
     "printer", "wifi", "study", "room", "event", "poetry", "history", "map", "parking", "coffee",
 ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def exact_tokens(tokenizer, text: str, n: int) -> list[int]:
@@ -154,7 +147,7 @@ def main() -> None:
 
     import torch
 
-    result: dict = {"cpu": cpu_model(), "torch_threads": torch.get_num_threads()}
+    result: dict = {"cpu": cpu_model_name(), "torch_threads": torch.get_num_threads()}
     if args.only in (None, "prefix"):
         on = ttft_run(args.model, True, args.num_requests, args.system_tokens, args.question_tokens)
         off = ttft_run(args.model, False, args.num_requests, args.system_tokens, args.question_tokens)
