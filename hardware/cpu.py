@@ -17,6 +17,8 @@ from ember.backend import BaseAttention, BaseBackend, SequenceSlice
 from ember.plugin import hookimpl
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
+# Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
+DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20))
 
 
 @dataclass
@@ -102,19 +104,30 @@ class CPUAttention(BaseAttention):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
             out[group.token_start : group.token_end] = o.transpose(0, 1)
         if metadata.decode_token_index is not None:
-            num_decodes = metadata.decode_mask.shape[0]
-            # index_select of whole blocks (2x faster than advanced indexing here), then
-            # (B, max_blocks * block_size, kv_heads, D) -> (B, kv_heads, L, D) as a view.
-            ks = kv_cache[0].index_select(0, metadata.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
-            vs = kv_cache[1].index_select(0, metadata.decode_block_ids).view(num_decodes, -1, num_kv_heads, head_dim)
-            # GQA without expanding K/V: the query heads sharing a KV head become that
-            # head's query rows, (B, kv_heads, heads_per_kv, D).
-            qd = q[metadata.decode_token_index].view(num_decodes, num_kv_heads, -1, head_dim)
-            o = F.scaled_dot_product_attention(
-                qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-                attn_mask=metadata.decode_mask, scale=scale,
-            )
-            out[metadata.decode_token_index] = o.reshape(num_decodes, -1, head_dim)
+            num_decodes, max_len = metadata.decode_mask.shape[0], metadata.decode_mask.shape[-1]
+            max_blocks = max_len // block_size
+            # Decodes go in groups whose gathered K and V stay in the CPU's cache:
+            # gathering all of a 256-request batch at once (tens of MB a layer) and
+            # reading it back from memory made this 10x slower than at 128 requests.
+            row_bytes = 2 * max_len * num_kv_heads * head_dim * kv_cache.element_size()
+            group = max(1, DECODE_GROUP_BYTES // row_bytes)
+            for start in range(0, num_decodes, group):
+                end = min(start + group, num_decodes)
+                n = end - start
+                block_ids = metadata.decode_block_ids[start * max_blocks : end * max_blocks]
+                # index_select of whole blocks (2x faster than advanced indexing here),
+                # then (n, max_blocks * block_size, kv_heads, D) -> (n, kv_heads, L, D) as a view.
+                ks = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)
+                vs = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)
+                # GQA without expanding K/V: the query heads sharing a KV head become that
+                # head's query rows, (n, kv_heads, heads_per_kv, D).
+                rows = metadata.decode_token_index[start:end]
+                qd = q[rows].view(n, num_kv_heads, -1, head_dim)
+                o = F.scaled_dot_product_attention(
+                    qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+                    attn_mask=metadata.decode_mask[start:end], scale=scale,
+                )
+                out[rows] = o.reshape(n, -1, head_dim)
         return out
 
 

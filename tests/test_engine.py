@@ -186,3 +186,18 @@ def test_sampled_token_logprobs(llm):
     assert out.cumulative_logprob == pytest.approx(sum(out.token_logprobs))
     with pytest.raises(ValueError, match="stop must hold non-empty strings"):
         SamplingParams(stop=[""])
+
+
+def test_decode_attention_in_groups_gives_the_same_tokens(llm, monkeypatch):
+    """The CPU backend runs decode attention in groups of requests sized to its cache
+    (DECODE_GROUP_BYTES); one request per group must give what one group gives."""
+    import ember.hardware.cpu as cpu
+
+    prompts = [f"group {i} " * (1 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    together = llm.generate(prompts, params)
+    monkeypatch.setattr(cpu, "DECODE_GROUP_BYTES", 1)
+    alone = llm.generate(prompts, params)
+    for a, b in zip(together, alone):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
