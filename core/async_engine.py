@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ember.engine import LLMEngine
 from ember.outputs import RequestOutput
+from ember.request import check_priority
 from ember.sampling_params import SamplingParams
 from ember.stats import StepStats
 
@@ -119,8 +120,7 @@ class AsyncLLMEngine:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        check_priority(priority)
         ids = self.validate(prompt, params, prompt_token_ids)
         request_id = request_id or self.new_request_id()
         stream = _RequestStream(asyncio.get_running_loop())

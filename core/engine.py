@@ -21,7 +21,7 @@ from ember.outputs import CompletionOutput, RequestOutput
 from ember.parallel_sampling import SampleGroup, child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
-from ember.request import Request, RequestStatus
+from ember.request import Request, RequestStatus, check_priority
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
 from ember.stats import StepStats, record_step
@@ -197,8 +197,7 @@ class LLMEngine:
         are first come, first served. Raises ValueError as :meth:`validate_request`
         does, and for a priority that is not an integer.
         """
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        check_priority(priority)  # before any state: a group would be half-registered
         prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self._groups or request_id in self._states:

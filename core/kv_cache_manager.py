@@ -131,11 +131,6 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add so that `request_id` can hold `num_tokens` tokens in total."""
-        owned = len(self._block_tables.get(request_id, ()))
-        return max(0, self.num_blocks_for(num_tokens) - owned)
-
     # -- prefix caching ---------------------------------------------------------
     def find_cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """Block ids caching the longest prefix of the prompt, in order. The last

@@ -29,6 +29,13 @@ FINISH_REASONS = {
 }
 
 
+def check_priority(priority: object) -> int:
+    """A request's priority is a plain integer (lower runs first); ValueError names anything else."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+    return priority
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation request.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ember.config import SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
 from ember.logprobs import PositionLogprobs
-from ember.request import Request, RequestStatus
+from ember.request import Request, RequestStatus, check_priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------
     def max_tokens_of(self, request: Request) -> int:
-        """Worst-case token count of a request: what its KV reservation covers."""
+        """Worst-case token count of a request: what must fit the whole pool."""
         return min(
             request.num_prompt_tokens + request.sampling_params.max_tokens,
             self.config.max_model_len,
@@ -143,8 +143,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise ValueError(f"priority must be an integer (lower runs first), got {request.priority!r}")
+        check_priority(request.priority)
         self.check_request_fits(request)
         request.status = RequestStatus.WAITING
         request.arrival_index = next(self._arrivals)

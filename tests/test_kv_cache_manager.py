@@ -33,15 +33,6 @@ def test_free_returns_blocks_tail_first_and_they_are_reused_in_fifo_order():
     assert kv.num_free_blocks == 4
 
 
-def test_num_new_blocks_needed():
-    kv = KVCacheManager(num_blocks=10, block_size=16)
-    assert kv.num_new_blocks_needed("x", 1) == 1
-    assert kv.num_new_blocks_needed("x", 16) == 1
-    assert kv.num_new_blocks_needed("x", 17) == 2
-    kv.allocate_slots("x", 16)
-    assert kv.num_new_blocks_needed("x", 17) == 1
-
-
 @pytest.mark.parametrize("bad", [0, -1])
 def test_bad_sizes_are_rejected(bad):
     with pytest.raises(ValueError, match="num_blocks"):
