@@ -108,6 +108,20 @@ class BaseBackend(ABC):
         to float rounding (the conformance check compares them)."""
         return F.linear
 
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        """Called once after the weights are loaded and ``model.linear_op`` is set,
+        with the dtype the model was loaded in. A backend may keep device-specific
+        copies or layouts of the matmul weights (``model.matmul_weights()``) and
+        install an op that uses them (``model.set_linear_op``); the results must
+        agree with ``linear_op`` to float rounding. Default: nothing."""
+
+    def greedy_op(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """A fused greedy step, ``op(logits) -> (ids, logprobs)`` for float32 logits
+        ``(rows, vocab)`` on the host: each row's first argmax (int64) and its
+        log-softmax (float32), as ``argmax`` and ``logit - logsumexp`` give them.
+        None (the default) leaves it to PyTorch."""
+        return None
+
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype weights are kept in on the device for a model loaded in ``dtype``.
         They are always rounded to ``dtype`` first, so the numbers are the model's;

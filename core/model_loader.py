@@ -10,7 +10,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ember.backend import BaseAttention, BaseBackend
 from ember.models.base import BaseCausalLM
-from ember.models.layers import Linear
 from ember.plugin.registry import Registry
 from ember.weights import iter_safetensors
 
@@ -61,11 +60,8 @@ def load_model(
         (name, tensor.to(dtype).to(weight_dtype)) for name, tensor in iter_safetensors(Path(model_dir))
     )
     model.eval()
-    op = backend.linear_op()
-    model.linear_op = op
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.linear_op = op
+    model.set_linear_op(backend.linear_op())
+    backend.prepare_model(model, dtype)
     logger.info(
         "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s",
         cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(),

@@ -41,7 +41,7 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.logits_pipeline = logits_pipeline or LogitsPipeline([])
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, greedy_op=backend.greedy_op())
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

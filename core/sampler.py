@@ -24,7 +24,10 @@ class Sampler:
     """Stateful only in the per-request generators (seeded requests keep their own
     stream, so a seed gives the same tokens whatever else shares the batch)."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, greedy_op=None) -> None:
+        # greedy_op(logits) -> (ids, logprobs): the backend's fused argmax and
+        # log-softmax of it (BaseBackend.greedy_op), else PyTorch's
+        self.greedy_op = greedy_op
         self._generators: dict[str, torch.Generator] = {}
         self._shared = torch.Generator()
         if seed is None:
@@ -58,10 +61,14 @@ class Sampler:
         logprobs = torch.empty(len(rows), dtype=torch.float32)
         if greedy:
             sub = logits[greedy] if len(greedy) < len(rows) else logits
-            ids = sub.argmax(dim=-1)
+            if self.greedy_op is not None:
+                ids, lps = self.greedy_op(sub)
+            else:
+                ids = sub.argmax(dim=-1)
+                # log p(id) = logit(id) - logsumexp(logits): no full log-softmax per step
+                lps = sub.gather(-1, ids[:, None])[:, 0] - sub.logsumexp(dim=-1)
             out[greedy] = ids
-            # log p(id) = logit(id) - logsumexp(logits): no full log-softmax per step
-            logprobs[greedy] = sub.gather(-1, ids[:, None])[:, 0] - sub.logsumexp(dim=-1)
+            logprobs[greedy] = lps
         if sampled:
             sub = logits[sampled] if len(sampled) < len(rows) else logits
             probs = sub.softmax(dim=-1)

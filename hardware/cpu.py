@@ -19,6 +19,8 @@ from ember.plugin import hookimpl
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
 # Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
 DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20))
+# Products of at most this many rows read bf16 weight copies (SmallBatchLinear).
+SMALL_BATCH_ROWS = int(os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS", 4))
 
 
 @dataclass
@@ -35,12 +37,30 @@ class CPUAttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64
     decode_token_index: torch.Tensor | None  # (num_decodes,) rows of the flat batch
     decode_block_ids: torch.Tensor | None  # (num_decodes * max_blocks,) int64, tables padded with 0
-    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_blocks * block_size) bool
+    decode_lens: torch.Tensor | None  # (num_decodes,) int64 context lengths
     prefills: list[PrefillGroup]
     block_size: int
+    all_decode: bool = False  # every row of the batch is a decode, in order
+    tables_checked: bool = False  # decode tables checked against the cache (native kernel)
+    # (num_decodes, 1, 1, max_blocks * block_size) bool, built on first use
+    decode_mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        if self.decode_mask is None:
+            max_len = self.decode_block_ids.numel() // self.decode_lens.numel() * self.block_size
+            lens = self.decode_lens
+            self.decode_mask = (torch.arange(max_len, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+        return self.decode_mask
 
 
 class CPUAttention(BaseAttention):
+    """``kernels``: the native kernels (ember.hardware.cpu_kernels), or None for
+    PyTorch only. With them, float32 decode attention reads the paged cache in place
+    (``paged_decode_attention``); without, it gathers K/V and runs SDPA."""
+
+    def __init__(self, kernels=None) -> None:
+        self.kernels = kernels
+
     def prepare(self, slices: list[SequenceSlice], block_size: int, device: torch.device) -> CPUAttentionMetadata:
         slots: list[int] = []
         decode_rows: list[int] = []
@@ -65,7 +85,7 @@ class CPUAttention(BaseAttention):
                     )
                 prefills.append(PrefillGroup(row, row + s.num_query_tokens, s.start_position, context))
             row += s.num_query_tokens
-        decode_index = decode_bt = decode_mask = None
+        decode_index = decode_bt = lens = None
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             decode_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
@@ -73,15 +93,18 @@ class CPUAttention(BaseAttention):
                 [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))], dtype=torch.int64, device=device
             )
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            decode_mask = (torch.arange(max_blocks * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        return CPUAttentionMetadata(
+        metadata = CPUAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             decode_token_index=decode_index,
             decode_block_ids=decode_bt,
-            decode_mask=decode_mask,
+            decode_lens=lens,
             prefills=prefills,
             block_size=block_size,
+            all_decode=not prefills and len(decode_rows) == row,
         )
+        if self.kernels is None and decode_rows:
+            metadata.mask()
+        return metadata
 
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
@@ -104,7 +127,26 @@ class CPUAttention(BaseAttention):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
             out[group.token_start : group.token_end] = o.transpose(0, 1)
         if metadata.decode_token_index is not None:
-            num_decodes, max_len = metadata.decode_mask.shape[0], metadata.decode_mask.shape[-1]
+            kernels = self.kernels
+            if kernels is not None and kv_cache.dtype == q.dtype and kernels.attention_supports(
+                q.shape[1], num_kv_heads, head_dim, q.dtype
+            ):
+                num_decodes = metadata.decode_lens.shape[0]
+                tables = metadata.decode_block_ids.view(num_decodes, -1)
+                if not metadata.tables_checked:
+                    kernels.check_tables(tables, metadata.decode_lens, num_blocks, block_size)
+                    metadata.tables_checked = True
+                rows = metadata.decode_token_index
+                o = kernels.paged_decode_attention(
+                    q if metadata.all_decode else q[rows], kv_cache[0], kv_cache[1], tables, metadata.decode_lens,
+                    scale, tables_checked=True,
+                )
+                if metadata.all_decode:
+                    return o
+                out[rows] = o
+                return out
+            mask = metadata.mask()
+            num_decodes, max_len = mask.shape[0], mask.shape[-1]
             max_blocks = max_len // block_size
             # Decodes go in groups whose gathered K and V stay in the CPU's cache:
             # gathering all of a 256-request batch at once (tens of MB a layer) and
@@ -125,7 +167,7 @@ class CPUAttention(BaseAttention):
                 qd = q[rows].view(n, num_kv_heads, -1, head_dim)
                 o = F.scaled_dot_product_attention(
                     qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-                    attn_mask=metadata.decode_mask[start:end], scale=scale,
+                    attn_mask=mask[start:end], scale=scale,
                 )
                 out[rows] = o.reshape(n, -1, head_dim)
         return out
@@ -156,6 +198,34 @@ def _onednn_linear_works() -> bool:
         except (RuntimeError, AttributeError):
             _ONEDNN_OK = False
     return _ONEDNN_OK
+
+
+class SmallBatchLinear:
+    """The CPU ``linear_op`` of a bf16 model computed in float32: products of up to
+    ``max_rows`` rows read a bfloat16 copy of the weight through the native kernel
+    (half the bytes; the same bf16-rounded numbers, accumulated in float32), larger
+    ones run ``base`` on the float32 weight, where the GEMM is compute-bound and
+    oneDNN's blocking wins. Weights without a copy (none registered) take ``base``."""
+
+    def __init__(self, base, kernels, max_rows: int) -> None:
+        self.base = base
+        self.kernels = kernels
+        self.max_rows = max_rows
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, weight: torch.Tensor) -> None:
+        self._copies[id(weight)] = (weight, weight.detach().to(torch.bfloat16))
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for _, c in self._copies.values())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32:
+            entry = self._copies.get(id(weight))
+            if entry is not None and entry[0] is weight:
+                return self.kernels.gemv_bf16(x, entry[1], bias)
+        return self.base(x, weight, bias)
 
 
 def _has_native_bf16() -> bool:
@@ -226,6 +296,24 @@ class CPUBackend(BaseBackend):
             return _onednn_linear
         return F.linear
 
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        # A bf16 model computed in fp32 keeps a bf16 copy of each matmul weight for
+        # products of few rows (decode of a small batch), which are bound by reading
+        # the weights: see SmallBatchLinear and ember.hardware.cpu_kernels. Costs
+        # half the weights' fp32 bytes again; EMBER_CPU_NATIVE=0 turns it off.
+        if dtype != torch.bfloat16 or self.compute_dtype(dtype) != torch.float32 or SMALL_BATCH_ROWS <= 0:
+            return
+        from ember.hardware import cpu_kernels
+
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            return
+        op = SmallBatchLinear(model.linear_op, kernels, SMALL_BATCH_ROWS)
+        for weight in model.matmul_weights():
+            if weight.dtype == torch.float32 and weight.dim() == 2:
+                op.add(weight)
+        model.set_linear_op(op)
+
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Converting every bf16 weight to fp32 on every forward read and wrote three
         # times the weights' bytes per step: at batch 1 that was most of a decode
@@ -244,8 +332,16 @@ class CPUBackend(BaseBackend):
         # cache is zeroed at start.
         return int(max(256 << 20, min(2 << 30, available_memory_bytes() // 4)))
 
+    def greedy_op(self):
+        from ember.hardware import cpu_kernels
+
+        kernels = cpu_kernels.load()
+        return kernels.greedy if kernels is not None else None
+
     def create_attention(self) -> BaseAttention:
-        return CPUAttention()
+        from ember.hardware import cpu_kernels
+
+        return CPUAttention(cpu_kernels.load())
 
 
 def available_memory_bytes() -> int:

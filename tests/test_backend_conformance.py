@@ -20,11 +20,15 @@ def test_cpu_backend_conforms_with_small_heads():
     check_backend(CPUBackend, head_dim=16, seed=1)
 
 
+def test_cpu_backend_conforms_without_native_kernels():
+    check_backend(backend_with(CPUAttention))
+
+
 # --- planted defects: each must be caught -------------------------------------------------------
 
 
-def backend_with(attention_cls: type[CPUAttention], **attrs) -> type[CPUBackend]:
-    return type("BrokenBackend", (CPUBackend,), {"create_attention": lambda self: attention_cls(), **attrs})
+def backend_with(attention_cls: type[CPUAttention], kernels=None, **attrs) -> type[CPUBackend]:
+    return type("BrokenBackend", (CPUBackend,), {"create_attention": lambda self: attention_cls(kernels), **attrs})
 
 
 class NonCausalPrefill(CPUAttention):
@@ -47,8 +51,10 @@ class DecodeSeesWholeTable(CPUAttention):
 
     def prepare(self, slices, block_size, device):
         metadata = super().prepare(slices, block_size, device)
-        if metadata.decode_mask is not None:
-            metadata.decode_mask = torch.ones_like(metadata.decode_mask)
+        if metadata.decode_lens is not None:
+            whole = metadata.decode_block_ids.numel() // metadata.decode_lens.numel() * block_size
+            metadata.decode_lens = torch.full_like(metadata.decode_lens, whole)
+            metadata.decode_mask = None
         return metadata
 
 
@@ -96,9 +102,15 @@ class MutatesMetadata(CPUAttention):
         (MutatesMetadata, "layer 1"),
     ],
 )
-def test_attention_defects_are_caught(attention_cls, message):
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch", "native"])
+def test_attention_defects_are_caught(attention_cls, message, native):
+    from ember.hardware import cpu_kernels
+
+    kernels = cpu_kernels.load() if native else None
+    if native and kernels is None:
+        pytest.skip("no native CPU kernels on this machine")
     with pytest.raises(AssertionError, match=message):
-        check_backend(backend_with(attention_cls))
+        check_backend(backend_with(attention_cls, kernels))
 
 
 def test_lenient_resolve_dtype_is_caught():

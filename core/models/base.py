@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.backend import BaseAttention
+from ember.models.layers import Linear
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,18 @@ class BaseCausalLM(nn.Module, ABC):
     """
 
     linear_op = staticmethod(F.linear)
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """Every weight this model passes to ``linear_op``: those of its ``Linear``
+        layers by default; a model that multiplies by another (a tied LM head) adds it."""
+        return [m.weight for m in self.modules() if isinstance(m, Linear)]
+
+    def set_linear_op(self, op) -> None:
+        """Install ``op`` as the matrix product of the model and of every ``Linear``."""
+        self.linear_op = op
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.linear_op = op
 
     @property
     @abstractmethod

@@ -125,6 +125,10 @@ class LlamaForCausalLM(BaseCausalLM):
         )
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg), device)
 
+    def matmul_weights(self) -> list[torch.Tensor]:
+        weights = super().matmul_weights()
+        return weights + [self.embed_tokens.weight] if self.lm_head is None else weights
+
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.layers[0].self_attn

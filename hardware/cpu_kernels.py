@@ -1,0 +1,239 @@
+"""Native kernels the CPU backend compiles for the machine it runs on.
+
+* ``gemv_bf16``: few-row linear over bfloat16 weights (decode of a small batch).
+* ``paged_decode_attention``: decode attention read in place from the paged KV cache.
+* ``greedy``: argmax and its log-probability per row of logits.
+
+PyTorch has no fast product of float32 activations with bfloat16 weights on CPUs
+without AVX512-BF16/AMX: a few-row ("GEMV") product then either reads float32
+weights (twice the bytes) or runs bf16 math several times slower. A decode step of
+one request is bound by reading the weights, so ``gemv_bf16`` reads them in bf16,
+widens each to float32 in registers (exact) and accumulates in float32: the same
+numbers as the float32 product of bf16-rounded weights, at half the memory traffic.
+Decode attention in PyTorch first gathers every request's K and V out of the paged
+cache (a copy of the whole context per layer) and then runs a masked attention; the
+kernel reads each cached token once where it lies, for all query heads sharing its KV
+head. Greedy sampling with PyTorch made four passes over the batch's logits, each into
+a fresh tensor (argmax, max, exp, sum); the kernel makes two, into nothing.
+
+The C source (``csrc/ember_cpu.c``, AVX2 + FMA, OpenMP) is compiled once with the
+system C compiler (``$CC``, else ``cc``) into ``<ember cache>/kernels/`` and loaded
+with ctypes; it shares PyTorch's OpenMP runtime and thread count. Where the CPU lacks
+AVX2/FMA, or no compiler works, ``load()`` returns None (the reason is logged once)
+and the backend keeps PyTorch's kernels. ``EMBER_CPU_NATIVE=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = "ember_cpu.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+
+class NativeKernels:
+    """The loaded library; call through the typed methods only."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._gemv = lib.ember_gemv_bf16
+        self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._gemv.restype = None
+        self._attention = lib.ember_paged_decode_attention
+        self._attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._attention.restype = None
+        self._greedy = lib.ember_greedy
+        self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int]
+        self._greedy.restype = None
+
+    def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for float32 ``x`` (M, K), bfloat16 ``weight`` (N, K)
+        and float32 ``bias`` (N,), accumulated in float32; returns float32 (M, N)."""
+        if x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(
+                f"gemv_bf16 takes float32 x (M, K) and bfloat16 weight (N, K), "
+                f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}"
+            )
+        M, K = x.shape
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise ValueError(f"gemv_bf16: x has {K} columns, weight has {weight.shape[1]}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
+            raise ValueError(f"gemv_bf16: bias must be float32 ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        weight = weight.contiguous()
+        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
+        self._gemv(
+            x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
+            y.data_ptr(), M, N, K, torch.get_num_threads(),
+        )
+        return y
+
+    @staticmethod
+    def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        return (
+            dtype == torch.float32 and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
+            and num_heads * head_dim <= MAX_ATTENTION_WIDTH and num_heads <= 4096
+        )
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        tables_checked: bool = False,
+    ) -> torch.Tensor:
+        """``q`` (B, Hq, D) float32, one query token per request; ``k_cache``, ``v_cache``
+        (num_blocks, block_size, Hkv, D) float32; ``block_tables`` (B, max_blocks) and
+        ``context_lens`` (B,) int64. Returns softmax(scale q K^T) V over each request's
+        first ``context_lens[b]`` cached tokens, (B, Hq, D). ``tables_checked``: the
+        caller ran :meth:`check_tables` on these tables already (once per step, not
+        once per layer)."""
+        B, Hq, D = q.shape
+        num_blocks, block_size, Hkv, Dk = k_cache.shape
+        if not self.attention_supports(Hq, Hkv, D, q.dtype) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(
+                f"paged_decode_attention: unsupported q {q.dtype} {tuple(q.shape)} with cache "
+                f"{k_cache.dtype} {tuple(k_cache.shape)} (float32, head_dim a multiple of 8, "
+                f"heads a multiple of KV heads, heads * head_dim <= {MAX_ATTENTION_WIDTH})"
+            )
+        if Dk != D or v_cache.shape != k_cache.shape:
+            raise ValueError(f"paged_decode_attention: cache shapes {tuple(k_cache.shape)}, "
+                             f"{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+        if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != B:
+            raise ValueError(f"paged_decode_attention: block_tables must be int64 ({B}, max_blocks), "
+                             f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+        if context_lens.dtype != torch.int64 or context_lens.shape != (B,):
+            raise ValueError(f"paged_decode_attention: context_lens must be int64 ({B},), "
+                             f"got {context_lens.dtype} {tuple(context_lens.shape)}")
+        max_blocks = block_tables.shape[1]
+        if not tables_checked:
+            self.check_tables(block_tables, context_lens, num_blocks, block_size)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("paged_decode_attention: the caches must be contiguous")
+        q = q.contiguous()
+        block_tables = block_tables.contiguous()
+        out = torch.empty_like(q)
+        self._attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, scale, torch.get_num_threads(),
+        )
+        return out
+
+    @staticmethod
+    def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+        """Raise ValueError unless every block id and length stays inside the cache:
+        the kernel reads where the tables point."""
+        if not context_lens.numel():
+            return
+        max_len = block_tables.shape[1] * block_size
+        if int(context_lens.min()) < 1 or int(context_lens.max()) > max_len:
+            raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_len}]")
+        if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+            raise ValueError(f"paged_decode_attention: block ids must lie in [0, {num_blocks})")
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of float32 ``logits`` (rows, vocab): the first index of the largest
+        value and its log-softmax. NaN never wins (torch.argmax would pick it)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2:
+            raise ValueError(f"greedy takes float32 logits (rows, vocab), got {logits.dtype} {tuple(logits.shape)}")
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, dtype=torch.int64)
+        logprobs = torch.empty(rows, dtype=torch.float32)
+        self._greedy(logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+        return ids, logprobs
+
+
+_LOADED: NativeKernels | None = None
+_TRIED = False
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    from ember.weights.resolver import ember_cache_dir
+
+    return ember_cache_dir() / "kernels"
+
+
+def build(source: str, out_dir: Path) -> Path:
+    """Compile ``source`` into ``out_dir`` (named by the source and flags' hash);
+    reuse an earlier build. Raises RuntimeError naming the compiler's complaint."""
+    text = (resources.files("ember.hardware") / "csrc" / source).read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (set CC or install gcc)")
+    digest = hashlib.sha256(text + " ".join(FLAGS + LIBS).encode() + compiler.encode()).hexdigest()[:16]
+    target = out_dir / f"{Path(source).stem}-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / source
+        src.write_bytes(text)
+        built = Path(tmp) / target.name
+        proc = subprocess.run(
+            [compiler, *FLAGS, str(src), "-o", str(built), *LIBS], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: concurrent builders leave one whole file
+    return target
+
+
+def load() -> NativeKernels | None:
+    """The compiled kernels, or None where they cannot run here (reason logged once)."""
+    global _LOADED, _TRIED
+    if _TRIED:
+        return _LOADED
+    _TRIED = True
+    reason = None
+    if os.environ.get("EMBER_CPU_NATIVE", "1") == "0":
+        reason = "EMBER_CPU_NATIVE=0"
+    elif not sys.platform.startswith("linux"):
+        reason = f"native CPU kernels are built on Linux only (this is {sys.platform})"
+    else:
+        missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+        if missing:
+            reason = f"this CPU lacks {', '.join(missing)}"
+    if reason is None:
+        try:
+            path = build(SOURCE, _cache_dir())
+            _LOADED = NativeKernels(ctypes.CDLL(str(path)), path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            reason = str(exc)
+    if _LOADED is None:
+        logger.info("native CPU kernels off (%s): PyTorch's kernels are used", reason)
+    else:
+        logger.info("native CPU kernels loaded from %s", _LOADED.path)
+    return _LOADED

@@ -1,0 +1,255 @@
+"""The CPU backend's native kernels (ember.hardware.cpu_kernels) and the bf16
+small-batch linear built on them: built from source here, checked against PyTorch."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.hardware import cpu_kernels
+from ember.hardware.cpu import CPUBackend, SmallBatchLinear
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None:
+        # Every CI machine has AVX2 and gcc: there a missing kernel is a failure.
+        if os.environ.get("CI") or {"avx2", "fma"} <= cpu_kernels.cpu_flags():
+            pytest.fail("native CPU kernels did not load on a machine that should build them")
+        pytest.skip("this CPU has no AVX2/FMA")
+    return k
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+@pytest.mark.parametrize("N,K", [(4, 8), (7, 13), (96, 64), (130, 300)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16_matches_the_float32_product_of_the_rounded_weights(kernels, M, N, K, with_bias):
+    torch.manual_seed(M * 1000 + N + K)
+    weight = torch.randn(N, K).to(torch.bfloat16)
+    x = torch.randn(M, K)
+    bias = torch.randn(N) if with_bias else None
+    got = kernels.gemv_bf16(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    # float32 accumulation of K products, only the summation order differs
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K**0.5)
+
+
+def test_gemv_bf16_takes_non_contiguous_rows(kernels):
+    weight = torch.randn(32, 16).to(torch.bfloat16)
+    x = torch.randn(16, 6)[:, :3].t()  # (3, 16) view, not contiguous
+    torch.testing.assert_close(kernels.gemv_bf16(x, weight), F.linear(x, weight.float()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x,weight,bias,match",
+    [
+        (torch.randn(2, 8).double(), torch.randn(4, 8).bfloat16(), None, "float32 x"),
+        (torch.randn(2, 8), torch.randn(4, 8), None, "bfloat16 weight"),
+        (torch.randn(2, 8), torch.randn(4, 9).bfloat16(), None, "x has 8 columns, weight has 9"),
+        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5), r"bias must be float32 \(4,\)"),
+    ],
+)
+def test_gemv_bf16_names_bad_arguments(kernels, x, weight, bias, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.gemv_bf16(x, weight, bias)
+
+
+def test_build_reuses_the_cached_library_and_names_a_failing_compiler(tmp_path, monkeypatch):
+    first = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build(cpu_kernels.SOURCE, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "other")
+
+
+def test_load_is_off_when_asked_or_when_nothing_compiles(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernels, "_LOADED", None)
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        assert cpu_kernels.load() is None
+    assert "EMBER_CPU_NATIVE=0" in caplog.text
+    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+    monkeypatch.delenv("EMBER_CPU_NATIVE")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        assert cpu_kernels.load() is None
+    assert "failed" in caplog.text
+
+
+def test_small_batch_linear_uses_the_copy_only_for_its_own_weight_and_few_rows(kernels):
+    calls = []
+
+    def base(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    weight = torch.randn(24, 16).to(torch.bfloat16).float()
+    other = torch.randn(24, 16)
+    op = SmallBatchLinear(base, kernels, max_rows=2)
+    op.add(weight)
+    assert op.copy_bytes == 24 * 16 * 2
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(op(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert calls == []  # the kernel answered
+    op(torch.randn(3, 16), weight)
+    op(x, other)
+    op(x, weight.clone())  # equal numbers, another tensor: no copy registered for it
+    assert calls == [3, 2, 2]
+
+
+def _logits(engine, token_ids: list[list[int]]) -> torch.Tensor:
+    from ember.backend import SequenceSlice
+
+    runner = engine.runner
+    slices, ids, positions = [], [], []
+    for i, tokens in enumerate(token_ids):
+        table = list(range(i * 4, i * 4 + 4))
+        slices.append(SequenceSlice(len(tokens), 0, table))
+        ids.extend(tokens)
+        positions.extend(range(len(tokens)))
+    meta = runner.attention.prepare(slices, runner.block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = engine.model(torch.tensor(ids), torch.tensor(positions), runner.kv_caches, meta)
+        return engine.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_model_decodes_through_the_kernel_with_the_same_logits(kernels, tmp_path, monkeypatch, tied):
+    """A bf16 model on a CPU without native bf16: its projections (and a tied LM
+    head) get bf16 copies; one-row products take the kernel, and the logits match
+    the float32 product of the same bf16-rounded weights."""
+    from ember import LLM, SamplingParams
+    from tiny_models import make_tiny_model
+
+    monkeypatch.setattr(CPUBackend, "compute_dtype", lambda self, dtype: torch.float32)
+    make_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied)
+    engine = LLM(model=str(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=16).engine
+    op = engine.model.linear_op
+    assert isinstance(op, SmallBatchLinear)
+    assert engine.model.layers[0].mlp.down_proj.linear_op is op
+    weights = engine.model.matmul_weights()
+    assert any(w is engine.model.embed_tokens.weight for w in weights) == tied
+    assert op.copy_bytes == sum(w.numel() * 2 for w in weights)
+
+    used = []
+    gemv = kernels.gemv_bf16
+    monkeypatch.setattr(op.kernels, "gemv_bf16", lambda *a: used.append(1) or gemv(*a), raising=False)
+    one_row = _logits(engine, [[5]])
+    assert len(used) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+    monkeypatch.setattr(engine.model.linear_op, "max_rows", 0)
+    reference = _logits(engine, [[5]])
+    torch.testing.assert_close(one_row, reference, rtol=1e-4, atol=1e-4)
+
+    llm = LLM(model=str(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=16)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with_kernel = llm.generate(["hello there", "a"], params)
+    llm.engine.model.linear_op.max_rows = 0
+    without = llm.generate(["hello there", "a"], params)
+    assert [o.outputs[0].token_ids for o in with_kernel] == [o.outputs[0].token_ids for o in without]
+
+
+def test_float32_model_keeps_pytorchs_linear(tiny_llama_dir):
+    from ember import LLM
+
+    engine = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16).engine
+    assert not isinstance(engine.model.linear_op, SmallBatchLinear)
+
+
+# --- paged decode attention ------------------------------------------------------------------
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    """SDPA over each request's context gathered token by token."""
+    block_size = k_cache.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        L = int(lens[b])
+        slots = [(int(tables[b, t // block_size]), t % block_size) for t in range(L)]
+        k = torch.stack([k_cache[blk, off] for blk, off in slots]).double()  # (L, Hkv, D)
+        v = torch.stack([v_cache[blk, off] for blk, off in slots]).double()
+        o = F.scaled_dot_product_attention(
+            q[b].double()[:, None, :], k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
+        )
+        out.append(o[:, 0, :])
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (8, 8, 8, 1), (6, 1, 32, 3)]
+)
+def test_paged_decode_attention_matches_sdpa(kernels, heads, kv_heads, head_dim, block_size):
+    torch.manual_seed(heads * 100 + head_dim + block_size)
+    num_blocks = 64
+    lens = torch.tensor([1, 5, block_size, 3 * block_size + 1, 40])
+    max_blocks = -(-int(lens.max()) // block_size)
+    perm = torch.randperm(num_blocks)  # blocks scattered over the cache, tables padded with 0
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
+    used = 0
+    for b, L in enumerate(lens.tolist()):
+        n = -(-L // block_size)
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    q = torch.randn(len(lens), heads, head_dim)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    want = _reference_decode(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_refuses_tables_outside_the_cache(kernels):
+    k_cache = torch.randn(4, 2, 1, 8)
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 4\)"):
+        kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[4]]), torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match=r"context lengths must lie in \[1, 2\]"):
+        kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[0]]), torch.tensor([3]), 1.0)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+        kernels.paged_decode_attention(q.double(), k_cache, k_cache, torch.tensor([[0]]), torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match="context_lens must be int64"):
+        kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[0]]), torch.tensor([1], dtype=torch.int32), 1.0)
+
+
+# --- greedy ----------------------------------------------------------------------------------
+
+
+def test_greedy_matches_argmax_and_log_softmax(kernels):
+    torch.manual_seed(0)
+    logits = torch.randn(7, 1003) * 5
+    logits[1, [10, 500]] = 100.0  # a tie: the first index wins, as torch.argmax documents
+    logits[2, :] = -math.inf
+    logits[2, 42] = 0.0  # everything else banned
+    logits[3, ::2] = -math.inf
+    ids, lps = kernels.greedy(logits)
+    assert ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert ids[1] == 10
+    want = logits.log_softmax(dim=-1).gather(-1, ids[:, None])[:, 0]
+    torch.testing.assert_close(lps, want, rtol=1e-6, atol=1e-6)
+    assert lps[2] == 0.0
+
+
+def test_sampler_takes_the_backends_greedy_op(kernels):
+    from ember import SamplingParams
+    from ember.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(5, 300)
+    rows = [SamplingRow(f"r{i}", SamplingParams(temperature=0.0), [1], [], set()) for i in range(5)]
+    fused = Sampler(greedy_op=kernels.greedy)(logits.clone(), rows)
+    plain = Sampler()(logits.clone(), rows)
+    assert fused.token_ids == plain.token_ids
+    assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-6)
+    assert CPUBackend().greedy_op() == kernels.greedy
