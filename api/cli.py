@@ -94,6 +94,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
     "kv_cache_memory": EnvOption("EMBER_KV_CACHE_MEMORY", lambda text: _parse_size(text, ValueError)),
     "max_batch_size": EnvOption("EMBER_MAX_BATCH_SIZE", int),
+    "num_threads": EnvOption("EMBER_NUM_THREADS", int),
     "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
     "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
     "disable_prefix_caching": EnvOption("EMBER_DISABLE_PREFIX_CACHING", _parse_bool),
@@ -132,6 +133,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_batch_total_tokens": None,
     "kv_cache_memory": None,
     "max_batch_size": None,
+    "num_threads": None,
     "max_stop_sequences": 4,
     "payload_limit": 2_000_000,
     "disable_prefix_caching": False,
@@ -280,6 +282,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-batch-size", metavar="N", type=int, default=None,
         help="requests running at once; more wait in the queue (default 256) [EMBER_MAX_BATCH_SIZE]",
+    )
+    limits.add_argument(
+        "--num-threads", metavar="N", type=int, default=None,
+        help="host threads the backend computes with (default: the backend's choice; CPU: the physical "
+        "cores this process may use, within its cgroup quota, or OMP_NUM_THREADS) [EMBER_NUM_THREADS]",
     )
     limits.add_argument(
         "--kv-cache-memory", metavar="SIZE", type=_parse_size, default=None,
@@ -435,6 +442,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch_total_tokens=args.max_batch_total_tokens,
         kv_cache_memory=args.kv_cache_memory,
         max_batch_size=args.max_batch_size,
+        num_threads=args.num_threads,
         max_stop_sequences=args.max_stop_sequences,
         payload_limit=args.payload_limit,
         disabled_plugins=tuple(args.disable_plugin),

@@ -47,6 +47,7 @@ class ServerSettings:
     max_batch_total_tokens: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV cache (default: the backend's share of free memory)
     max_batch_size: int | None = None  # requests running at once (the engine's max_num_seqs)
+    num_threads: int | None = None  # host threads of the backend (the engine's num_threads)
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
@@ -81,6 +82,7 @@ class ServerSettings:
             "max_batch_total_tokens": self.max_batch_total_tokens,
             "kv_cache_memory": self.kv_cache_memory,
             "max_batch_size": self.max_batch_size,
+            "num_threads": self.num_threads,
         }
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
             if not isinstance(value, int) or value < 1:
@@ -176,6 +178,8 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory
     if settings.max_batch_size is not None:
         kwargs["max_num_seqs"] = settings.max_batch_size
+    if settings.num_threads is not None:
+        kwargs["num_threads"] = settings.num_threads
     return kwargs
 
 

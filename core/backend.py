@@ -115,6 +115,14 @@ class BaseBackend(ABC):
         install an op that uses them (``model.set_linear_op``); the results must
         agree with ``linear_op`` to float rounding. Default: nothing."""
 
+    def configure_threads(self, num_threads: int | None) -> int:
+        """Set the host threads this backend computes with before the model loads:
+        ``num_threads`` when given, else the backend's choice. Returns the number in
+        use. The default sets PyTorch's intra-op threads only when asked."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        return torch.get_num_threads()
+
     def greedy_op(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
         """A fused greedy step, ``op(logits) -> (ids, logprobs)`` for float32 logits
         ``(rows, vocab)`` on the host: each row's first argmax (int64) and its

@@ -72,6 +72,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached KV blocks of shared prompt prefixes
     enable_chunked_prefill: bool = True  # split prompts across steps within the token budget
     seed: int | None = None
+    # threads the backend computes with; None: the backend's choice (CPU: the physical
+    # cores this process may use, within its cgroup quota; OMP_NUM_THREADS wins)
+    num_threads: int | None = None
     disabled_plugins: tuple[str, ...] = ()
     required_plugins: tuple[str, ...] = ()
     # Server-side settings of logits processors by name, e.g. {"watermark": {"key": "..."}}:
@@ -87,6 +90,8 @@ class EngineConfig:
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)

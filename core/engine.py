@@ -76,6 +76,7 @@ class LLMEngine:
         )
         self.plugin_manager.hook.ember_configure(config=config)
         self.backend = select_backend(self.plugin_manager, config.backend)
+        self.num_threads = self.backend.configure_threads(config.num_threads)
 
         self.model_dir = resolve_model(config.model, config.revision)
         self.hf_config = load_hf_config(self.model_dir)

@@ -7,6 +7,7 @@ in one batched call, multi-token (prefill) queries one request at a time.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 from ember.backend import BaseAttention, BaseBackend, SequenceSlice
 from ember.plugin import hookimpl
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
 # Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
@@ -332,6 +335,27 @@ class CPUBackend(BaseBackend):
         # cache is zeroed at start.
         return int(max(256 << 20, min(2 << 30, available_memory_bytes() // 4)))
 
+    def configure_threads(self, num_threads: int | None) -> int:
+        # PyTorch's default is every core of the host: in a container limited to 2
+        # CPUs of a 64-core machine that is 64 threads fighting over 2 CPUs. Ember
+        # takes the physical cores it may run on, within the cgroup's CPU quota,
+        # unless the user said otherwise (num_threads, else OMP_NUM_THREADS).
+        source = "asked"
+        if num_threads is None:
+            if os.environ.get("OMP_NUM_THREADS"):
+                source = "OMP_NUM_THREADS"
+            else:
+                num_threads, source = cpu_thread_count(), "physical cores available"
+        if num_threads is not None and num_threads != torch.get_num_threads():
+            torch.set_num_threads(num_threads)
+        try:
+            # Ember runs no inter-op parallel work; a second pool only adds threads.
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # only settable before the first inter-op work; then it stays
+        logger.info("cpu backend: %d threads (%s)", torch.get_num_threads(), source)
+        return torch.get_num_threads()
+
     def greedy_op(self):
         from ember.hardware import cpu_kernels
 
@@ -342,6 +366,45 @@ class CPUBackend(BaseBackend):
         from ember.hardware import cpu_kernels
 
         return CPUAttention(cpu_kernels.load())
+
+
+def cpu_thread_count(sys_root: str = "/sys") -> int:
+    """Physical cores this process may run on (its affinity mask, SMT siblings counted
+    once), capped by a cgroup CPU quota (v2 ``cpu.max`` or v1 ``cfs_quota_us``)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"{sys_root}/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    count = len(cores) or 1
+    quota = cgroup_cpu_quota(sys_root)
+    if quota is not None:
+        count = min(count, max(1, int(quota)))
+    return count
+
+
+def cgroup_cpu_quota(sys_root: str = "/sys") -> float | None:
+    """CPUs' worth of time the cgroup may use per period, or None without a limit."""
+    try:
+        with open(f"{sys_root}/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{sys_root}/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read())
+        with open(f"{sys_root}/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 def available_memory_bytes() -> int:

@@ -82,6 +82,7 @@ class CommonRoutes:
                 "prefix_cache_hit_rate": kv.prefix_hit_rate,
                 "num_preemptions": s.engine.engine.scheduler.num_preemptions,
                 "max_batch_size": s.engine.engine.scheduler.config.max_num_seqs,
+                "num_threads": s.engine.engine.num_threads,
                 "chunked_prefill": s.engine.engine.scheduler.config.enable_chunked_prefill,
                 "kv_block_size": kv.block_size,
             }
