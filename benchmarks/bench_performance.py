@@ -144,7 +144,32 @@ def main() -> None:
     result["large_load"] = {"requests": args.large, "max_running": llm.engine.scheduler.config.max_num_seqs,
                             "tokens_per_s": l_tps, "ratio_to_128": l_tps / e_tps, "preemptions": preemptions}
     result["single_decode"] = {"new_tokens": args.decode_tokens, "ember_tokens_per_s": d_tps}
+    result["num_threads"] = llm.engine.num_threads
+    result["native_kernels"] = llm.engine.runner.attention.kernels is not None
     del llm
+
+    # The same Ember with PyTorch's kernels only (EMBER_CPU_NATIVE=0): what the
+    # native kernels (hardware/csrc/ember_cpu.c) bring, measured in this run.
+    from ember.hardware import cpu_kernels
+
+    os.environ["EMBER_CPU_NATIVE"] = "0"
+    cpu_kernels._TRIED, cpu_kernels._LOADED = False, None  # load() decides once per process
+    plain = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30)
+    ember_generate(plain, ids[:2], 4)
+    p_tokens, p_time, p_out = ember_generate(plain, ids[: args.num_prompts], args.max_tokens)
+    p1_tokens, p1_time, _ = ember_generate(plain, ids[:1], args.decode_tokens)
+    del plain
+    del os.environ["EMBER_CPU_NATIVE"]
+    cpu_kernels._TRIED, cpu_kernels._LOADED = False, None
+    result["pytorch_only"] = {
+        "offline_128_tokens_per_s": p_tokens / p_time, "native_speedup_128": e_tps / (p_tokens / p_time),
+        "single_decode_tokens_per_s": p1_tokens / p1_time, "native_speedup_single": d_tps / (p1_tokens / p1_time),
+        "identical_greedy_128": sum(a == b for a, b in zip(e_out, p_out)),
+    }
+    print(f"1/3. ember with PyTorch kernels only: {p_tokens / p_time:.1f} tok/s offline "
+          f"(native {e_tps / (p_tokens / p_time):.2f}x), one request {p1_tokens / p1_time:.1f} tok/s "
+          f"(native {d_tps / (p1_tokens / p1_time):.2f}x); "
+          f"{result['pytorch_only']['identical_greedy_128']}/{args.num_prompts} identical greedy outputs")
 
     if not args.skip_hf:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

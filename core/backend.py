@@ -123,6 +123,14 @@ class BaseBackend(ABC):
             torch.set_num_threads(num_threads)
         return torch.get_num_threads()
 
+    def layer_ops(self, compute_dtype: torch.dtype) -> dict[str, Callable]:
+        """Fused kernels for layers that would otherwise run several PyTorch ops, by
+        the ``op_name`` of :class:`ember.models.layers.FusableOp` subclasses
+        (``rms_norm``, ``rope_``, ``silu_mul``), for a model computing in
+        ``compute_dtype``. Each must agree with the layer's PyTorch code to float
+        rounding. Default: none."""
+        return {}
+
     def greedy_op(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
         """A fused greedy step, ``op(logits) -> (ids, logprobs)`` for float32 logits
         ``(rows, vocab)`` on the host: each row's first argmax (int64) and its

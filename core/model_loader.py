@@ -62,8 +62,9 @@ def load_model(
     model.eval()
     model.set_linear_op(backend.linear_op())
     backend.prepare_model(model, dtype)
+    fused = model.set_layer_ops(backend.layer_ops(compute_dtype))
     logger.info(
-        "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s",
-        cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(),
+        "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s; fused layer ops: %s",
+        cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(), ", ".join(fused) or "none",
     )
     return model

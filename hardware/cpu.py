@@ -356,6 +356,16 @@ class CPUBackend(BaseBackend):
         logger.info("cpu backend: %d threads (%s)", torch.get_num_threads(), source)
         return torch.get_num_threads()
 
+    def layer_ops(self, compute_dtype: torch.dtype) -> dict:
+        # float32 only: each replaces 3 to 12 small PyTorch ops, whose per-op cost
+        # was most of a one-request decode step once the weights were read fast
+        from ember.hardware import cpu_kernels
+
+        kernels = cpu_kernels.load()
+        if kernels is None or compute_dtype != torch.float32:
+            return {}
+        return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul}
+
     def greedy_op(self):
         from ember.hardware import cpu_kernels
 

@@ -41,7 +41,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = "ember_cpu.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# no FMA contraction: explicit intrinsics choose where to fuse, and ember_rope's
+# plain C then rounds as PyTorch does
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -62,6 +64,15 @@ class NativeKernels:
         self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int]
         self._greedy.restype = None
+        self._rms_norm = lib.ember_rms_norm
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+        self._rms_norm.restype = None
+        self._rope = lib.ember_rope
+        self._rope.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        self._rope.restype = None
+        self._silu_mul = lib.ember_silu_mul
+        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._silu_mul.restype = None
 
     def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for float32 ``x`` (M, K), bfloat16 ``weight`` (N, K)
@@ -163,6 +174,46 @@ class NativeKernels:
         logprobs = torch.empty(rows, dtype=torch.float32)
         self._greedy(logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
         return ids, logprobs
+
+
+    # -- fused layer ops (BaseBackend.layer_ops): float32 only, callers check -----------
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        """``ember.models.layers.RMSNorm`` in one pass: ``norm(x)``, or with
+        ``residual`` ``(norm(x + residual), x + residual)``."""
+        x = x.contiguous()
+        rows, hidden = x.shape[0] if x.dim() > 1 else 1, x.shape[-1]
+        out = torch.empty_like(x)
+        total = None
+        if residual is not None:
+            residual = residual.contiguous()
+            total = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+            total.data_ptr() if total is not None else None, x.numel() // hidden, hidden, eps,
+            torch.get_num_threads(),
+        )
+        return out if residual is None else (out, total)
+
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+        """Rotate-half RoPE in place on ``x`` (T, heads, D), a view whose heads and
+        dims are contiguous (rows may be apart: the q or k part of a fused qkv)."""
+        T, heads, D = x.shape
+        if x.stride(2) != 1 or x.stride(1) != D:
+            raise ValueError(f"rope_ needs contiguous heads, got strides {x.stride()}")
+        self._rope(
+            x.data_ptr(), T, x.stride(0), heads, D, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` (T, 2 I) = [gate | up]."""
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
 
 
 _LOADED: NativeKernels | None = None

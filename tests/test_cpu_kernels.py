@@ -253,3 +253,60 @@ def test_sampler_takes_the_backends_greedy_op(kernels):
     assert fused.token_ids == plain.token_ids
     assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-6)
     assert CPUBackend().greedy_op() == kernels.greedy
+
+
+# --- fused layer ops -------------------------------------------------------------------------
+
+
+def test_fused_layer_ops_match_the_pytorch_layers(kernels):
+    from ember.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+    torch.manual_seed(3)
+    norm = RMSNorm(72, 1e-5, torch.float32)
+    norm.weight.data.normal_()
+    x, res = torch.randn(5, 72), torch.randn(5, 72)
+    plain, plain_sum = norm(x, res)
+    plain_alone = norm(x)
+    norm.fused = kernels.rms_norm
+    fused, fused_sum = norm(x, res)
+    assert torch.equal(fused_sum, x + res)
+    torch.testing.assert_close(fused, plain, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(norm(x), plain_alone, rtol=2e-6, atol=2e-6)
+
+    rope = RotaryEmbedding(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = torch.randn(4, (6 + 2 + 2) * 16)
+    positions = torch.tensor([0, 3, 17, 63])
+    q, k = qkv[:, : 6 * 16].view(4, 6, 16), qkv[:, 6 * 16 : 8 * 16].view(4, 2, 16)
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    v_before = qkv[:, 8 * 16 :].clone()
+    rope.fused = kernels.rope_
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the fused projection
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # PyTorch's rounding exactly
+    assert torch.equal(qkv[:, 8 * 16 :], v_before)  # v untouched
+
+    act = SiluAndMul()
+    gate_up = torch.randn(3, 2 * 40) * 4
+    plain = act(gate_up)
+    act.fused = kernels.silu_mul
+    torch.testing.assert_close(act(gate_up), plain, rtol=2e-6, atol=2e-6)
+
+
+def test_float32_model_gets_the_fused_ops_and_the_same_tokens(tiny_llama_dir, monkeypatch):
+    from ember import LLM, SamplingParams
+    from ember.models.layers import FusableOp
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32)
+    fusable = [m for m in llm.engine.model.modules() if isinstance(m, FusableOp)]
+    assert fusable and all(m.fused is not None for m in fusable)
+    fused = llm.generate(["hello there", "the quick brown fox"], params)
+    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernels, "_LOADED", None)
+    plain_llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32)
+    assert all(m.fused is None for m in plain_llm.engine.model.modules() if isinstance(m, FusableOp))
+    plain = plain_llm.generate(["hello there", "the quick brown fox"], params)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.backend import BaseAttention
-from ember.models.layers import Linear
+from ember.models.layers import FusableOp, Linear
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,16 @@ class BaseCausalLM(nn.Module, ABC):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.linear_op = op
+
+    def set_layer_ops(self, ops: dict) -> list[str]:
+        """Install the backend's fused ops (``BaseBackend.layer_ops``) on every
+        :class:`ember.models.layers.FusableOp` that has one; returns the names used."""
+        used = set()
+        for module in self.modules():
+            if isinstance(module, FusableOp) and ops.get(module.op_name) is not None:
+                module.fused = ops[module.op_name]
+                used.add(module.op_name)
+        return sorted(used)
 
     @property
     @abstractmethod

@@ -57,8 +57,21 @@ class Linear(nn.Module):
         return self.linear_op(x, w, b)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as the reference implementation does."""
+class FusableOp(nn.Module):
+    """A layer a backend may run as one fused kernel: ``fused`` is None (PyTorch ops)
+    unless the loader installs the backend's op named ``op_name``
+    (``BaseBackend.layer_ops``), which takes the same inputs plus the layer's own
+    tensors (see each subclass) and must give the same numbers to float rounding."""
+
+    op_name: str = ""
+    fused = None
+
+
+class RMSNorm(FusableOp):
+    """RMSNorm computed in float32, as the reference implementation does.
+    Fused op ``rms_norm(x, residual, weight, eps)``."""
+
+    op_name = "rms_norm"
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None) -> None:
         super().__init__()
@@ -67,6 +80,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
+        if self.fused is not None:
+            return self.fused(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -118,8 +133,24 @@ def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) 
     )
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face layout) with a cos/sin cache by position."""
+class SiluAndMul(FusableOp):
+    """SwiGLU's activation: ``silu(gate) * up`` for ``x = [gate | up]`` (last dim).
+    Fused op ``silu_mul(x)``."""
+
+    op_name = "silu_mul"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(FusableOp):
+    """Rotate-half RoPE (the Hugging Face layout) with a cos/sin cache by position.
+    Fused op ``rope_(x, positions, cos_cache, sin_cache)``, in place on ``q`` and ``k``."""
+
+    op_name = "rope_"
 
     def __init__(self, head_dim: int, max_position: int, params: dict, device=None) -> None:
         super().__init__()
@@ -131,7 +162,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """``q``: (T, Hq, D), ``k``: (T, Hkv, D) -> rotated, same shapes and dtype."""
+        """``q``: (T, Hq, D), ``k``: (T, Hkv, D) -> rotated, same shapes and dtype
+        (the fused op rotates them in place: views of a fresh projection)."""
+        if self.fused is not None:
+            return (self.fused(q, positions, self.cos_cache, self.sin_cache),
+                    self.fused(k, positions, self.cos_cache, self.sin_cache))
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)

@@ -11,12 +11,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.backend import BaseAttention
 from ember.models.base import BaseCausalLM, KVCacheSpec
-from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, rope_parameters
+from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
 from ember.plugin import hookimpl
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -68,11 +67,10 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias, dtype, compute_dtype, device)
         self.down_proj = Linear(inter, [cfg.hidden_size], bias, dtype, compute_dtype, device)
-        self.intermediate_size = inter
+        self.act = SiluAndMul()
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -218,3 +218,68 @@ void ember_greedy(const float *logits, int64_t rows, int64_t V, int64_t *ids, fl
         logprobs[r] = m == -INFINITY ? NAN : -logf(sum_exp((float *)x, V, m, 0));
     }
 }
+
+/* ember_rms_norm: per row of x (rows, H), out = w * (x / sqrt(mean(x^2) + eps)), in
+ * float32; with `residual`, x + residual is normalized and also written to sum_out. */
+void ember_rms_norm(const float *x, const float *residual, const float *w, float *out, float *sum_out,
+                    int64_t rows, int64_t H, float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * H;
+        float *o = out + r * H;
+        if (residual) {
+            const float *rr = residual + r * H;
+            float *s = sum_out + r * H;
+            for (int64_t i = 0; i < H; ++i) s[i] = xr[i] + rr[i];
+            xr = s;
+        }
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= H; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; i < H; ++i) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (i = 0; i < H; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* ember_rope: rotate-half rotary embedding in place on x (rows, heads, D), rows
+ * row_stride floats apart, heads D apart: x = x * cos + rotate_half(x) * sin with
+ * cos/sin rows of the caches (max_position, D) at positions[r]. Compiled without
+ * FMA contraction, this gives PyTorch's numbers exactly. */
+void ember_rope(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const int64_t *positions,
+                const float *cos_cache, const float *sin_cache, int nthreads) {
+    const int64_t half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos_cache + positions[r] * D, *s = sin_cache + positions[r] * D;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *v = x + r * row_stride + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* ember_silu_mul: out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu (rows, 2 I). */
+void ember_silu_mul(const float *gu, float *out, int64_t rows, int64_t I, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
