@@ -1,8 +1,12 @@
 """The CPU backend: the reference implementation every other backend is checked against.
 
-Attention gathers each request's KV blocks and runs PyTorch's
-``scaled_dot_product_attention``: single-token (decode) queries of all requests
-in one batched call, multi-token (prefill) queries one request at a time.
+Attention writes each step's K/V into the paged cache, then runs PyTorch's
+``scaled_dot_product_attention`` for prefill queries (one request at a time) and, for
+single-token (decode) queries of all requests, either the native kernel that reads the
+paged cache in place (float32) or SDPA over gathered K/V. Native kernels
+(``ember.hardware.cpu_kernels``, compiled at first use) also serve small-batch linears
+over bf16 weight copies, fused RMSNorm/RoPE/SiLU and greedy sampling; with
+``EMBER_CPU_NATIVE=0``, or where they cannot be built, PyTorch runs everything.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.hardware import cpu_kernels
 from ember.plugin import hookimpl
 
 logger = logging.getLogger(__name__)
@@ -306,8 +311,6 @@ class CPUBackend(BaseBackend):
         # half the weights' fp32 bytes again; EMBER_CPU_NATIVE=0 turns it off.
         if dtype != torch.bfloat16 or self.compute_dtype(dtype) != torch.float32 or SMALL_BATCH_ROWS <= 0:
             return
-        from ember.hardware import cpu_kernels
-
         kernels = cpu_kernels.load()
         if kernels is None:
             return
@@ -359,22 +362,16 @@ class CPUBackend(BaseBackend):
     def layer_ops(self, compute_dtype: torch.dtype) -> dict:
         # float32 only: each replaces 3 to 12 small PyTorch ops, whose per-op cost
         # was most of a one-request decode step once the weights were read fast
-        from ember.hardware import cpu_kernels
-
         kernels = cpu_kernels.load()
         if kernels is None or compute_dtype != torch.float32:
             return {}
         return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul}
 
     def greedy_op(self):
-        from ember.hardware import cpu_kernels
-
         kernels = cpu_kernels.load()
         return kernels.greedy if kernels is not None else None
 
     def create_attention(self) -> BaseAttention:
-        from ember.hardware import cpu_kernels
-
         return CPUAttention(cpu_kernels.load())
 
 
