@@ -136,3 +136,20 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The CPU backend's native kernels (ember.hardware.cpu_kernels), built here.
+
+    A CPU without AVX2/FMA cannot run them: those tests skip there. Anywhere else
+    (every CI machine has AVX2 and gcc) a kernel that does not load is a failure.
+    """
+    from ember.hardware import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        if os.environ.get("CI") or {"avx2", "fma"} <= cpu_kernels.cpu_flags():
+            pytest.fail("native CPU kernels did not load on a machine that should build them")
+        pytest.skip("this CPU has no AVX2/FMA, which the native CPU kernels need")
+    return kernels

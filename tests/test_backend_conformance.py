@@ -103,12 +103,8 @@ class MutatesMetadata(CPUAttention):
     ],
 )
 @pytest.mark.parametrize("native", [False, True], ids=["pytorch", "native"])
-def test_attention_defects_are_caught(attention_cls, message, native):
-    from ember.hardware import cpu_kernels
-
-    kernels = cpu_kernels.load() if native else None
-    if native and kernels is None:
-        pytest.skip("no native CPU kernels on this machine")
+def test_attention_defects_are_caught(attention_cls, message, native, request):
+    kernels = request.getfixturevalue("native_kernels") if native else None
     with pytest.raises(AssertionError, match=message):
         check_backend(backend_with(attention_cls, kernels))
 

@@ -4,7 +4,6 @@ small-batch linear built on them: built from source here, checked against PyTorc
 from __future__ import annotations
 
 import math
-import os
 import shutil
 
 import pytest
@@ -15,15 +14,9 @@ from ember.hardware import cpu_kernels
 from ember.hardware.cpu import CPUBackend, SmallBatchLinear
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    if k is None:
-        # Every CI machine has AVX2 and gcc: there a missing kernel is a failure.
-        if os.environ.get("CI") or {"avx2", "fma"} <= cpu_kernels.cpu_flags():
-            pytest.fail("native CPU kernels did not load on a machine that should build them")
-        pytest.skip("this CPU has no AVX2/FMA")
-    return k
+@pytest.fixture
+def kernels(native_kernels):
+    return native_kernels
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5])
