@@ -108,6 +108,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "otlp_endpoint": EnvOption("EMBER_OTLP_ENDPOINT", str),
     "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
     "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
+    "request_body_timeout": EnvOption("EMBER_REQUEST_BODY_TIMEOUT", float),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -147,6 +148,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "otlp_endpoint": None,
     "otlp_service_name": "ember",
     "graceful_termination_timeout": 30.0,
+    "request_body_timeout": 30.0,
 }
 
 
@@ -266,6 +268,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--graceful-termination-timeout", metavar="S", type=float, default=None,
         help="on SIGTERM, seconds in-flight requests get to finish before they are ended with an error "
         "(default 30) [EMBER_GRACEFUL_TERMINATION_TIMEOUT]",
+    )
+    production.add_argument(
+        "--request-body-timeout", metavar="S", type=float, default=None,
+        help="seconds a client gets to send a request body once its headers arrived; slower uploads get 408 "
+        "(default 30) [EMBER_REQUEST_BODY_TIMEOUT]",
     )
     limits = parser.add_argument_group("limits")
     for flag, help_text in [
@@ -456,6 +463,7 @@ def run_serve(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint,
         otlp_service_name=args.otlp_service_name,
         graceful_termination_timeout=args.graceful_termination_timeout,
+        request_body_timeout=args.request_body_timeout,
     )
     serve(settings)
     return 0

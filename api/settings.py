@@ -64,6 +64,9 @@ class ServerSettings:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "ember"
     graceful_termination_timeout: float = 30.0
+    # Seconds a client gets to send a request's whole body once its headers arrived
+    # (slow or stalled uploads are answered 408 and do not count as in flight).
+    request_body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
@@ -115,6 +118,9 @@ class ServerSettings:
         timeout = self.graceful_termination_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
             raise ValueError(f"--graceful-termination-timeout must be a number of seconds >= 0, got {timeout!r}")
+        timeout = self.request_body_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"--request-body-timeout must be a number of seconds > 0, got {timeout!r}")
 
     def check_consistency(self) -> None:
         """Refuse limits that contradict each other, naming both."""
