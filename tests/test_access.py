@@ -4,6 +4,7 @@ open routes stay open; ids honoured, generated, echoed, refused when unsafe."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import httpx
@@ -171,3 +172,55 @@ def test_serve_flags_read_their_environment_variables(monkeypatch, capsys, varia
     monkeypatch.setenv(variable, value)
     assert main(["serve", "--model-id", "/nonexistent"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, argv, environ, names",
+    [
+        (["serve"], ["--api-key", ""], {}, ("--api-key", "EMBER_API_KEY")),
+        (["serve"], [], {"EMBER_API_KEY": ""}, ("--api-key", "EMBER_API_KEY")),
+        (["serve"], ["--watermark-key", ""], {}, ("--watermark-key", "EMBER_WATERMARK_KEY")),
+        (["serve"], [], {"EMBER_WATERMARK_KEY": ""}, ("--watermark-key", "EMBER_WATERMARK_KEY")),
+        (["watermark", "detect", "--text", "hi"], [], {"EMBER_WATERMARK_KEY": ""}, ("--watermark-key", "EMBER_WATERMARK_KEY")),
+    ],
+)
+def test_an_empty_secret_is_refused_before_loading(monkeypatch, capsys, command, argv, environ, names):
+    """A secret that failed to render (``EMBER_API_KEY=``) must not turn authentication
+    off, nor fall back to the watermark's public default key."""
+    import ember.api.server
+    import ember.weights
+
+    def fail(*args, **kwargs):
+        pytest.fail("a model was loaded")
+
+    monkeypatch.setattr(ember.api.server, "build_engine", fail)
+    monkeypatch.setattr(ember.weights, "resolve_model", fail)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main([*command, "--model-id", "/nonexistent", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: ") and "is empty" in err, err
+    assert all(name in err for name in names), err
+
+
+def test_the_startup_log_says_whether_api_key_auth_is_on(tiny_llama_dir, monkeypatch, caplog):
+    import ember.api.server as server
+    from ember.async_engine import AsyncLLMEngine
+    from ember.config import EngineConfig
+    from ember.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+
+    class NotRun:
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(server, "build_engine", lambda settings: AsyncLLMEngine(engine))
+    monkeypatch.setattr(server, "create_server", lambda app, settings: NotRun())
+    with caplog.at_level(logging.INFO, logger="ember.api.server"):
+        server.serve(ServerSettings(model_id=str(tiny_llama_dir)))
+        server.serve(ServerSettings(model_id=str(tiny_llama_dir), api_key=KEY))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ember.api.server" and "serving" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "API-key auth off: every route is open" in lines[0]
+    assert "API-key auth on" in lines[1] and KEY not in lines[1]

@@ -185,6 +185,115 @@ def test_log_level_controls_ember_logs_on_stderr(tiny_llama_dir, capsys):
     assert (logger.level, logger.handlers) == (level, handlers)  # main leaves logging as it found it
 
 
+def fail_if_called(what: str):
+    def fail(*args, **kwargs):
+        pytest.fail(f"{what} was called")
+
+    return fail
+
+
+@pytest.mark.parametrize("extra", [[], ["--chat"], ["--model-id", "nobody/no-such-model"]])
+def test_generate_empty_prompt_is_refused_before_anything_loads(monkeypatch, capsys, extra):
+    import ember.weights
+
+    monkeypatch.setattr(ember, "LLM", fail_if_called("ember.LLM"))
+    monkeypatch.setattr(ember.weights, "resolve_model", fail_if_called("resolve_model"))
+    assert main(["generate", "", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: prompt is empty") and "Traceback" not in err
+
+
+class RecordingLLM:
+    """Stands in for `ember.LLM`: records what `generate` builds and streams one piece."""
+
+    built: list["RecordingLLM"] = []
+
+    def __init__(self, model=None, dtype="auto", **kwargs) -> None:
+        self.model, self.dtype, self.kwargs = model, dtype, kwargs
+        self.streamed: list[tuple] = []
+        RecordingLLM.built.append(self)
+
+    def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None):
+        self.streamed.append((prompt, sampling_params, prompt_token_ids))
+        yield "x"
+
+    def stream_chat(self, messages, sampling_params=None):
+        self.streamed.append((messages, sampling_params, None))
+        yield "x"
+
+
+def test_generate_defaults_to_greedy_and_says_so(tiny_llama_dir, monkeypatch, capsys):
+    RecordingLLM.built = []
+    monkeypatch.setattr(ember, "LLM", RecordingLLM)
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir)]) == 0
+    [(_, params, _)] = RecordingLLM.built[-1].streamed
+    assert params.temperature == 0 and params.max_tokens == 128
+    capsys.readouterr()
+    assert main(["generate", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--temperature T 0 (the default) is greedy" in help_text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_sizes_the_kv_cache_to_the_request(tiny_llama_dir, reference_llm, monkeypatch, capsys, chat):
+    built = []
+
+    class Recording(ember.LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(ember, "LLM", Recording)
+    argv = ["generate", "hello world", "--model-id", str(tiny_llama_dir), "--max-tokens", "30", "--temperature", "0"]
+    assert main(argv + (["--chat"] if chat else [])) == 0
+    engine = built[0].engine
+    if chat:
+        num_prompt_tokens = len(reference_llm._encode_chat([{"role": "user", "content": "hello world"}])[1])
+    else:
+        num_prompt_tokens = len(engine.tokenizer.encode("hello world"))
+    block_size = engine.config.block_size
+    assert engine.config.num_kv_blocks == -(-(num_prompt_tokens + 30) // block_size)
+    assert engine.num_kv_cache_tokens < num_prompt_tokens + 30 + block_size
+    params = SamplingParams(temperature=0, max_tokens=30)
+    if chat:
+        expected = reference_llm.chat([{"role": "user", "content": "hello world"}], params)[0].outputs[0].text
+    else:
+        expected = reference_llm.generate("hello world", params)[0].outputs[0].text
+    assert capsys.readouterr().out == expected + "\n"
+
+
+HEAVY_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "starlette", "uvicorn",
+                 "pydantic", "httpx", "ember.engine", "ember.llm")
+
+
+def test_help_and_bad_input_import_no_heavy_module():
+    """`ember --help` and each command's --help build the parser only, and an empty
+    prompt is refused by the parser's checks: no torch, no server."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from ember.api.cli import build_parser, main\n"
+        "build_parser()\n"
+        "for argv in (['--help'], ['serve', '--help'], ['generate', '--help'], ['bench', 'serve', '--help'],\n"
+        "             ['watermark', 'detect', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(argv) == 0, argv\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n"
+        "    assert main(['generate', '']) == 2\n"
+        f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_python_api_still_imports_from_ember():
+    code = "from ember import LLM, LLMEngine, EngineConfig, SamplingParams, BeamSearchParams, RequestOutput, CompletionOutput"
+    result = subprocess.run([sys.executable, "-c", code + "; import ember; print(ember.__version__, sorted(ember.__all__))"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == ember.__version__
+
+
 # --- download --------------------------------------------------------------------------------
 
 

@@ -63,3 +63,86 @@ def test_serve_settings_pass_the_budget_and_batch_size_to_the_engine():
     kwargs = engine_config_kwargs(ServerSettings(kv_cache_memory=64 << 20, max_batch_size=8))
     assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["max_num_seqs"] == 8
     assert "num_kv_blocks" not in kwargs
+
+
+# -- a budget smaller than one request: said in the user's own terms, before loading when it can be
+
+PER_TOKEN = 2 * 2 * 2 * 16 * 4  # the tiny Llama's KV bytes per token in float32: 512
+CONTEXT = "--max-total-tokens 256 (the model's context, the default)"
+
+
+@pytest.mark.parametrize(
+    "argv, message, is_before_loading",
+    [
+        (["--kv-cache-memory", "64KiB"],
+         f"the KV cache budget (--kv-cache-memory 64KiB) holds 128 tokens, less than one request of {CONTEXT}; "
+         "lower --max-total-tokens to at most 128 or raise --kv-cache-memory to at least 128KiB", True),
+        (["--kv-cache-memory", "65536", "--max-total-tokens", "200"],
+         "the KV cache budget (--kv-cache-memory 64KiB) holds 128 tokens, less than one request of "
+         "--max-total-tokens 200; lower --max-total-tokens to at most 128 or raise --kv-cache-memory to at least 104KiB",
+         True),
+        (["--max-batch-total-tokens", "100"],
+         f"--max-batch-total-tokens 100 is less than one request of {CONTEXT}; lower --max-total-tokens to "
+         "at most 100 or raise --max-batch-total-tokens to at least 256", True),
+        # 250 tokens are 16 blocks of 16, which hold 256: only the limit itself is short
+        (["--max-batch-total-tokens", "250"],
+         f"--max-batch-total-tokens 250 is less than one request of {CONTEXT}; lower --max-total-tokens to "
+         "at most 250 or raise --max-batch-total-tokens to at least 256", False),
+    ],
+)
+def test_a_kv_cache_smaller_than_one_request_names_what_the_user_set(
+    tiny_llama_dir, monkeypatch, capsys, argv, message, is_before_loading
+):
+    import ember.api.server
+    import ember.engine
+    from ember.api.cli import main
+
+    if is_before_loading:
+        monkeypatch.setattr(ember.engine, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+    monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
+    assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32", *argv]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"ember: error: {message}"
+
+
+def test_the_default_budget_smaller_than_one_request_says_what_to_set(tiny_llama_dir, monkeypatch, capsys):
+    import ember.api.server
+    from ember.api.cli import main
+
+    monkeypatch.setattr(CPUBackend, "kv_cache_memory_bytes", lambda self, model_bytes: 64 << 10)
+    monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
+    assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ember: error: the KV cache (64KiB, the backend's default share of memory) holds 128 tokens, less than "
+        f"one request of {CONTEXT}; lower --max-total-tokens to at most 128 or give --kv-cache-memory of at "
+        "least 128KiB"
+    )
+
+
+def test_derived_limits_are_named_as_derived():
+    from ember.api.settings import ServerSettings, resolve_limits
+
+    with pytest.raises(ValueError) as caught:
+        resolve_limits(ServerSettings(max_input_tokens=300), max_model_len=256, num_kv_tokens=10_000)
+    assert str(caught.value) == (
+        "--max-input-tokens (300) must be < --max-total-tokens (256, the model's context, the default): "
+        "a request needs room for at least one generated token"
+    )
+
+
+def test_the_engine_refuses_a_kv_cache_below_max_model_len_only_when_asked(tiny_llama_dir, monkeypatch):
+    import ember.engine
+    from ember.engine import KVCacheTooSmallError
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ember.engine, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+        with pytest.raises(KVCacheTooSmallError) as caught:
+            LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=64 << 10,
+                require_kv_for_max_model_len=True)
+    error = caught.value
+    assert (error.num_kv_tokens, error.max_model_len, error.bytes_per_token, error.budget_bytes) == (128, 256, 512, 64 << 10)
+    assert str(error) == (
+        "the KV cache holds 128 tokens, less than one request of max_model_len 256; lower max_model_len to at "
+        "most 128 or raise kv_cache_memory_bytes to at least 131072"
+    )
+    # offline, a smaller cache is allowed: it only refuses the requests that do not fit
+    assert LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=64 << 10).engine.num_kv_cache_tokens == 128

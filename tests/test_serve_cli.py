@@ -72,7 +72,8 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
     assert exe, "the `ember` console script is not installed next to this Python"
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "EMBER_MAX_TOTAL_TOKENS": "128"}
+    key = "subprocess-key-42"
+    env = {**os.environ, "EMBER_MAX_TOTAL_TOKENS": "128", "EMBER_API_KEY": key}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [exe, "serve", "--model-id", str(tiny_llama_dir), "--port", str(port), "--max-batch-total-tokens", "2048",
@@ -92,7 +93,7 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5},
-            timeout=60,
+            headers={"Authorization": f"Bearer {key}"}, timeout=60,
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
@@ -107,3 +108,4 @@ def test_ember_serve_subprocess_answers_curl_style_requests(tiny_llama_dir, tmp_
             proc.kill()
     text = log.read_text()
     assert "KV cache holds" in text and "backend cpu" in text and "prefix caching off" in text, text
+    assert "API-key auth on" in text and key not in text, text  # the key from EMBER_API_KEY, never logged
