@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,16 +12,27 @@ from transformers import AutoConfig, PretrainedConfig
 from ember.backend import BaseAttention, BaseBackend
 from ember.models.base import BaseCausalLM
 from ember.plugin.registry import Registry
-from ember.weights import iter_safetensors
+from ember.weights import InvalidCheckpointError, iter_safetensors
 
 logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    """The model's config.json; `InvalidCheckpointError` (a `ValueError`) naming the file if it
+    is not a JSON object, `ValueError` for anything else transformers refuses in it."""
+    path = Path(model_dir) / "config.json"
+    try:
+        values = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidCheckpointError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    except OSError:
+        values = {}  # not readable here: transformers says what is wrong below
+    if not isinstance(values, dict):
+        raise InvalidCheckpointError(f"{str(path)!r} is not a JSON object but {type(values).__name__}")
     try:
         return AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
-        raise ValueError(f"could not read the model config in {model_dir}: {exc}") from exc
+        raise ValueError(f"could not read the model config {str(path)!r}: {exc}") from exc
 
 
 def model_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:

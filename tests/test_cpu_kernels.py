@@ -3,8 +3,12 @@ small-batch linear built on them: built from source here, checked against PyTorc
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +63,9 @@ def test_build_reuses_the_cached_library_and_names_a_failing_compiler(tmp_path, 
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels.build(cpu_kernels.SOURCE, tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    # no temporary files left; the library's sha256 is recorded beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]
+    assert (tmp_path / (first.name + ".sha256")).read_text().split()[0] == _sha256(first)
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
     with pytest.raises(RuntimeError, match="failed"):
         cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "other")
@@ -80,6 +86,99 @@ def test_load_is_off_when_asked_or_when_nothing_compiles(tmp_path, monkeypatch, 
     with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
         assert cpu_kernels.load() is None
     assert "failed" in caplog.text
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def first_load(tmp_path, monkeypatch):
+    """`cpu_kernels.load` as on a process's first call, with the Ember cache in `tmp_path/cache`."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("EMBER_CPU_NATIVE", raising=False)
+
+    def load():
+        monkeypatch.setattr(cpu_kernels, "_TRIED", False)
+        monkeypatch.setattr(cpu_kernels, "_LOADED", None)
+        return cpu_kernels.load()
+
+    return load
+
+
+@pytest.fixture
+def planted_library(native_kernels, tmp_path):
+    """A shared library whose constructor, if it is ever loaded, creates `<tmp_path>/constructor-ran`."""
+    source = tmp_path / "planted.c"
+    source.write_text(
+        "#include <stdio.h>\n"
+        f'__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen("{tmp_path}/constructor-ran", "w");'
+        " if (f) fclose(f); }\n"
+    )
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(tmp_path / "planted.so")], check=True)
+    return tmp_path / "planted.so"
+
+
+@pytest.mark.parametrize("record", ["kept", "removed"])
+def test_a_replaced_cached_library_is_not_loaded_but_rebuilt(tmp_path, first_load, planted_library, caplog, record):
+    """Someone swaps the cached .so (keeping or removing its sha256 record): its code never runs."""
+    target = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    sidecar = target.with_name(target.name + ".sha256")
+    if record == "removed":
+        sidecar.unlink()
+    os.replace(shutil.copy(planted_library, tmp_path / "swap.so"), target)
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        kernels = first_load()
+    assert not (tmp_path / "constructor-ran").exists()
+    assert kernels is not None and kernels.path == target
+    assert _sha256(target) == sidecar.read_text().split()[0] != _sha256(planted_library)
+    assert "rebuilding" in caplog.text and str(target) in caplog.text
+
+
+def test_a_library_writable_by_others_is_rebuilt(tmp_path, first_load, native_kernels, caplog):
+    target = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    target.chmod(0o777)
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        assert first_load() is not None
+    assert "writable by group or others" in caplog.text
+    assert target.stat().st_mode & 0o022 == 0
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757])
+def test_a_kernel_directory_writable_by_others_is_refused(tmp_path, first_load, planted_library, caplog, mode):
+    """A directory others can write to could have anything swapped in: PyTorch's kernels are used instead."""
+    directory = tmp_path / "cache" / "kernels"
+    target = cpu_kernels.build(cpu_kernels.SOURCE, directory)
+    directory.chmod(mode)
+    os.replace(shutil.copy(planted_library, tmp_path / "swap.so"), target)
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        assert first_load() is None
+    assert not (tmp_path / "constructor-ran").exists()
+    [record] = [r for r in caplog.records if "native CPU kernels off" in r.getMessage()]
+    assert record.levelname == "WARNING" and str(directory) in record.getMessage()
+    assert "writable by group or others" in record.getMessage()
+
+
+def test_a_kernel_cache_owned_by_another_user_is_refused(tmp_path, first_load, native_kernels, monkeypatch, caplog):
+    cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    real_uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
+        assert first_load() is None
+    assert f"owned by uid {real_uid}" in caplog.text
+
+
+def test_a_new_kernel_directory_is_private(tmp_path, first_load, native_kernels, monkeypatch):
+    """Built under a umask that lets the group write (0002): the directory and files still are not."""
+    old = os.umask(0o002)
+    try:
+        assert first_load() is not None
+    finally:
+        os.umask(old)
+    directory = tmp_path / "cache" / "kernels"
+    assert directory.stat().st_mode & 0o077 == 0
+    assert all(p.stat().st_mode & 0o022 == 0 for p in directory.iterdir())
 
 
 def test_small_batch_linear_uses_the_copy_only_for_its_own_weight_and_few_rows(kernels):

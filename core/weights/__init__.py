@@ -14,6 +14,7 @@ from .default_model import DEFAULT_MODEL_ID
 from .errors import (
     CheckpointNotFoundError,
     DefaultModelUnavailableError,
+    InvalidCheckpointError,
     ModelNotFoundError,
     ResolveAttempt,
     UnsafeCheckpointError,
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CheckpointNotFoundError",
     "DefaultModelUnavailableError",
+    "InvalidCheckpointError",
     "ModelNotFoundError",
     "NamedTensor",
     "ResolveAttempt",

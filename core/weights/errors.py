@@ -14,6 +14,10 @@ class UnsafeCheckpointError(ValueError):
     """A directory holds only pickle checkpoints, which Ember refuses to unpickle."""
 
 
+class InvalidCheckpointError(ValueError):
+    """A model file (weights, index, config) is damaged or not what its name says; the message names it."""
+
+
 class CheckpointNotFoundError(FileNotFoundError):
     """A directory holds no weight files Ember knows how to read."""
 

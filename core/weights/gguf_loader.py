@@ -6,24 +6,46 @@ dequantized to one dtype, so the rest of Ember only ever reads safetensors.
 Tensors are dequantized with the `gguf` package; config and tokenizer come
 from the GGUF metadata through transformers' own GGUF support, which keeps
 them identical to what `from_pretrained(..., gguf_file=...)` would build.
+
+A damaged file raises `InvalidCheckpointError` naming it. The header's counts
+are checked against the file's size first (`check_gguf_header`), so that no
+reader sizes anything by a count the file cannot hold.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .errors import UnsupportedArchitectureError
+from .errors import InvalidCheckpointError, UnsupportedArchitectureError
 from .gguf_names import IGNORED_TENSORS, hf_tensor_name, rotary_heads, unpermute_rotary
 from .staging import publish_staging_dir, staging_dir
 
 logger = logging.getLogger(__name__)
 
 MARKER_FORMAT = 1
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_GGUF_VERSIONS = (2, 3)  # those gguf.GGUFReader reads
+GGUF_HEADER_BYTES = 24  # magic, uint32 version, uint64 tensor count, uint64 metadata count
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name (its uint64 length), n_dims 0, type, offset
+MIN_KV_BYTES = 8 + 4 + 1  # empty key (its uint64 length), value type, a one-byte value
+# What the gguf reader and its numpy views raise on a file that is not what its header says.
+GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, struct.error)
+
+
+class GGUFHeader(NamedTuple):
+    version: int
+    num_tensors: int
+    num_kv: int
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,7 @@ def convert_gguf_to_hf(
     Raises `FileNotFoundError` if `gguf_path` is missing, `FileExistsError`
     if `out_dir` exists and is not empty, `UnsupportedArchitectureError`
     (a `ValueError`) for architectures other than `SUPPORTED_ARCHITECTURES`,
+    `InvalidCheckpointError` (a `ValueError`) for a damaged or truncated file,
     and `ValueError` for a non-floating `dtype` or a GGUF without tokenizer.
     """
     import gguf
@@ -76,8 +99,10 @@ def convert_gguf_to_hf(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"Output directory {str(out_dir)!r} already exists and is not empty")
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch_name = _read_string(reader, "general.architecture")
+    check_gguf_header(gguf_path)
+    with _reading(gguf_path, "reading its metadata and tensor index"):
+        reader = gguf.GGUFReader(gguf_path)
+        arch_name = _read_string(gguf_path, reader, "general.architecture")
     arch = SUPPORTED_ARCHITECTURES.get(arch_name)
     if arch is None:
         raise UnsupportedArchitectureError(
@@ -88,19 +113,22 @@ def convert_gguf_to_hf(
         raise ValueError(f"GGUF file {str(gguf_path)!r} has no tokenizer metadata (tokenizer.ggml.*)")
 
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = _build_config(gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output)
+    with _reading(gguf_path, "building the model config from its metadata"):
+        config = _build_config(gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output)
 
     with staging_dir(out_dir) as staging:
         config.save_pretrained(staging)
         _save_generation_config(config, staging)
-        _save_tokenizer(gguf_path, staging)
+        with _reading(gguf_path, "building the tokenizer from its metadata"):
+            _save_tokenizer(gguf_path, staging)
 
         tensors: dict[str, torch.Tensor] = {}
         bar = tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor", disable=not progress)
         for t in bar:
             if t.name in IGNORED_TENSORS:
                 continue
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            with _reading(gguf_path, f"reading tensor {t.name!r}"):
+                array = gguf.quants.dequantize(t.data, t.tensor_type)
             if not array.flags.writeable:  # F32 data is a view of the read-only memory map
                 array = np.array(array)
             tensor = torch.from_numpy(array)
@@ -123,10 +151,54 @@ def convert_gguf_to_hf(
     return published
 
 
-def _read_string(reader, key: str) -> str:
+def check_gguf_header(gguf_path: Path) -> GGUFHeader:
+    """The header of `gguf_path`; `InvalidCheckpointError` naming the file unless it starts
+    with the GGUF magic and a supported version, and its tensor and metadata counts fit in
+    its size (each entry takes some bytes, so absurd counts cannot)."""
+    def invalid(problem: str) -> InvalidCheckpointError:
+        return InvalidCheckpointError(f"GGUF file {str(gguf_path)!r} {problem}")
+
+    with open(gguf_path, "rb") as f:
+        head = f.read(GGUF_HEADER_BYTES)
+        size = f.seek(0, 2)
+    if size == 0:
+        raise invalid("is empty (0 bytes)")
+    if head[:4] != GGUF_MAGIC:
+        raise invalid(f"is not a GGUF file: it starts with {head[:4]!r}, not {GGUF_MAGIC!r}")
+    if len(head) < GGUF_HEADER_BYTES:
+        raise invalid(f"is truncated: it has {size} bytes, fewer than the {GGUF_HEADER_BYTES} of a GGUF header")
+    (version,) = struct.unpack_from("<I", head, 4)
+    order = ">" if version & 0xFFFF == 0 else "<"  # a big-endian file, as gguf.GGUFReader detects it
+    version, num_tensors, num_kv = struct.unpack_from(f"{order}IQQ", head, 4)
+    if version not in SUPPORTED_GGUF_VERSIONS:
+        raise invalid(f"has GGUF version {version}; supported: {', '.join(map(str, SUPPORTED_GGUF_VERSIONS))}")
+    needed = GGUF_HEADER_BYTES + num_tensors * MIN_TENSOR_INFO_BYTES + num_kv * MIN_KV_BYTES
+    if needed > size:
+        raise invalid(
+            f"declares {num_tensors} tensors and {num_kv} metadata entries, which cannot fit in its {size} bytes "
+            f"(at least {needed} needed): it is truncated or damaged"
+        )
+    return GGUFHeader(version, num_tensors, num_kv)
+
+
+@contextmanager
+def _reading(gguf_path: Path, step: str) -> Iterator[None]:
+    """Turn what the gguf reader (or transformers' GGUF parser) raises on a damaged file into
+    `InvalidCheckpointError` naming the file and the step."""
+    try:
+        yield
+    except (InvalidCheckpointError, UnsupportedArchitectureError):
+        raise
+    except GGUF_READ_ERRORS as exc:
+        raise InvalidCheckpointError(
+            f"GGUF file {str(gguf_path)!r} is damaged or truncated ({step}: {type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _read_string(gguf_path: Path, reader, key: str) -> str:
     field = reader.fields.get(key)
     if field is None:
-        raise ValueError(f"GGUF file has no {key!r} metadata")
+        raise InvalidCheckpointError(f"GGUF file {str(gguf_path)!r} has no {key!r} metadata")
     return str(field.contents())
 
 

