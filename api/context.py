@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextvars
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ember.outputs import RequestOutput
+if TYPE_CHECKING:  # the CLI's logging imports this module; torch only where a request is served
+    from ember.outputs import RequestOutput
+
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 
 
 @dataclass(slots=True)
@@ -104,9 +107,11 @@ class RequestContext:
     def outcome(self) -> str:
         """success, client_error, server_error or cancelled (the client left, or a stream was cut)."""
         if self.error_type is not None:
+            if self.error_status == CLIENT_CLOSED:
+                return "cancelled"
             return "client_error" if (self.error_status or 500) < 500 else "server_error"
         status = self.status or 500
-        if status == 499:
+        if status == CLIENT_CLOSED:
             return "cancelled"
         if status >= 500:
             return "server_error"

@@ -56,6 +56,7 @@ OPENAI_TYPES = {
     401: "invalid_request_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    408: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_exceeded",
@@ -84,9 +85,10 @@ def note_error(exc: APIError) -> None:
         ctx.note_error(exc.status, exc.error_type)
 
 
-def error_response(exc: APIError, flavor: Flavor) -> JSONResponse:
+def error_response(exc: APIError, flavor: Flavor, *, close: bool = False) -> JSONResponse:
+    """The error as JSON; ``close``: end the connection after it (a body left unread)."""
     note_error(exc)
-    return JSONResponse(error_body(exc, flavor), status_code=exc.status)
+    return JSONResponse(error_body(exc, flavor), status_code=exc.status, headers={"connection": "close"} if close else None)
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
@@ -115,4 +117,4 @@ def _is_json(value: object) -> bool:
 
 def sse_error_event(exc: APIError, flavor: Flavor) -> bytes:
     note_error(exc)
-    return b"data: " + json.dumps(error_body(exc, flavor)).encode() + b"\n\n"
+    return b"data: " + json.dumps(error_body(exc, flavor), allow_nan=False).encode() + b"\n\n"

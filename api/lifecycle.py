@@ -40,6 +40,7 @@ class Lifecycle:
         self.warm_up_error: BaseException | None = None
         self.num_active = 0  # API requests being served (counted by the middleware)
         self._drain_task: asyncio.Task | None = None
+        self._drain_started = asyncio.Event()
 
     @property
     def is_ready(self) -> bool:
@@ -54,6 +55,10 @@ class Lifecycle:
         if self.is_draining:
             return APIError(503, "the server is shutting down and takes no new requests", "shutting_down")
         return None
+
+    async def wait_drain(self) -> None:
+        """Return once draining has begun."""
+        await self._drain_started.wait()
 
     # -- warm-up -------------------------------------------------------------------
     async def warm_up(self) -> None:
@@ -80,6 +85,7 @@ class Lifecycle:
         if self._drain_task is not None:
             return
         self.phase = Phase.DRAINING
+        self._drain_started.set()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain(on_drained))
 
     async def _drain(self, on_drained: Callable[[], None]) -> None:

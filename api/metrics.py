@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ember.api.context import RequestContext
+from ember.api.openapi import documented
 from ember.async_engine import AsyncLLMEngine
 from ember.stats import StepStats
 
@@ -105,6 +106,8 @@ class ServerMetrics:
     def routes(self) -> list[Route]:
         return [Route("/metrics", self.metrics, methods=["GET"])]
 
+    @documented(summary="Prometheus metrics (text exposition format)", tag="Operations",
+                text_media_type="text/plain")
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,5 +1,12 @@
 """What every HTTP request goes through before its route: an id, a trace, the
-drain gate, the API key; and after it: metrics, the span tree, the access log.
+drain gate, the API key, its whole body (within --payload-limit and
+--request-body-timeout); and after it: metrics, the span tree, the access log.
+
+A request counts as in flight (`Lifecycle.num_active`, which a drain waits for) only
+once its body has arrived: a client that sends headers and then stalls gets 408 when
+the body timeout ends, holds nothing meanwhile, and a drain ends its wait at once with
+a 503. A client that disconnects during its upload is not a server error: it is
+counted as ``cancelled`` with error type ``client_disconnected``, logged at info.
 
 Open paths (`OPEN_PATHS`: health, metrics, info, the OpenAPI document) need no key,
 stay up while draining, and are neither counted nor traced; every other path,
@@ -17,7 +24,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.auth import check_authorization
-from ember.api.context import RequestContext, activate, deactivate
+from ember.api.context import CLIENT_CLOSED, RequestContext, activate, deactivate
 from ember.api.errors import APIError, Flavor, error_response
 from ember.api.lifecycle import Lifecycle
 from ember.api.metrics import ServerMetrics
@@ -44,6 +51,10 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
 class RequestMiddleware:
     def __init__(
         self,
@@ -54,6 +65,8 @@ class RequestMiddleware:
         lifecycle: Lifecycle,
         api_key: str | None,
         known_paths: frozenset[str],
+        payload_limit: int = 2_000_000,
+        body_timeout_s: float = 30.0,
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -61,6 +74,8 @@ class RequestMiddleware:
         self.lifecycle = lifecycle
         self.api_key = api_key.encode("utf-8") if api_key is not None else None
         self.known_paths = known_paths
+        self.payload_limit = payload_limit
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,8 +96,7 @@ class RequestMiddleware:
         is_api = path not in OPEN_PATHS
         token = activate(ctx)
         span = None
-        if is_api:
-            self.lifecycle.num_active += 1
+        is_counted = False
 
         async def send_with_ids(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -98,12 +112,28 @@ class RequestMiddleware:
             if is_api:
                 span = self.tracing.start_request(ctx, self._trace_headers(scope))
                 refusal = refusal or self.lifecycle.refusal() or self._check_key(scope)
+                if refusal is None:
+                    # The whole body first: only then is the request in flight (a stalled
+                    # upload holds no slot and does not delay a drain).
+                    try:
+                        body = await self._read_body(scope, receive)
+                    except ClientGone:
+                        ctx.note_error(CLIENT_CLOSED, "client_disconnected")
+                        ctx.status = CLIENT_CLOSED
+                        return
+                    except APIError as exc:
+                        refusal = exc
+                    else:
+                        receive = _replay(body, receive)
             if refusal is not None:
-                await error_response(refusal, flavor_of(path))(scope, receive, send_with_ids)
-            else:
-                await self.app(scope, receive, send_with_ids)
+                await error_response(refusal, flavor_of(path), close=True)(scope, receive, send_with_ids)
+                return
+            if is_api:
+                self.lifecycle.num_active += 1
+                is_counted = True
+            await self.app(scope, receive, send_with_ids)
         except asyncio.CancelledError:
-            ctx.status = ctx.status or 499
+            ctx.status = ctx.status or CLIENT_CLOSED
             raise
         except Exception:
             ctx.note_error(500, "internal")
@@ -114,8 +144,51 @@ class RequestMiddleware:
                 try:
                     self._finish(ctx, span, path)
                 finally:  # after the metrics and spans: num_active == 0 means all are recorded
-                    self.lifecycle.num_active -= 1
+                    if is_counted:
+                        self.lifecycle.num_active -= 1
             deactivate(token)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole request body, within the payload limit and the body timeout.
+        413 past the limit (at once if Content-Length says so), 408 past the timeout,
+        503 if the server starts draining meanwhile; `ClientGone` if the client left."""
+        limit = self.payload_limit
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {int(declared)} bytes exceeds the payload limit of {limit} bytes",
+                           "payload_too_large")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        drained = asyncio.ensure_future(self.lifecycle.wait_drain())
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                incoming = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait(
+                    {incoming, drained}, timeout=max(0.0, deadline - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if incoming not in done:
+                    incoming.cancel()
+                    if drained in done:
+                        raise self.lifecycle.refusal() or APIError(503, "the server is shutting down", "shutting_down")
+                    raise APIError(
+                        408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                        "(--request-body-timeout)", "request_timeout",
+                    )
+                message = incoming.result()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the payload limit of {limit} bytes", "payload_too_large")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        finally:
+            drained.cancel()
 
     def _check_key(self, scope: Scope) -> APIError | None:
         if self.api_key is None:
@@ -154,3 +227,18 @@ class RequestMiddleware:
             level, "%s %s %s %s in %.3f s (request %s)", ctx.method, path, ctx.status, ctx.outcome, duration,
             ctx.request_id, extra={"fields": fields},
         )
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body already read, then the real messages
+    (a disconnect) after it."""
+    is_sent = False
+
+    async def replay() -> Message:
+        nonlocal is_sent
+        if not is_sent:
+            is_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

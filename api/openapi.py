@@ -1,5 +1,7 @@
 """The OpenAPI document, built from the pydantic schemas each route declares with
-`@documented`, and a self-contained /docs page that renders it."""
+`@documented`, and a self-contained /docs page that renders it. A route without
+`@documented` (a third party's plugin route) is listed too, with its docstring's
+first line as summary, so the document names every route the server answers."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ class RouteDoc:
     response: type[BaseModel] | None = None
     response_is_list: bool = False
     streams: bool = False  # answers text/event-stream (always, or when the body asks)
-    errors: tuple[int, ...] = (400, 413, 415, 422, 429)
+    text_media_type: str | None = None  # answers plain text of this media type (e.g. /metrics)
+    errors: tuple[int, ...] = (400, 408, 413, 415, 422, 429)
     error_model: type[BaseModel] | None = None
 
 
@@ -47,9 +50,7 @@ def build_openapi(routes: list[Route], version: str) -> dict:
     components: dict[str, Any] = {}
     paths: dict[str, Any] = {}
     for route in routes:
-        doc: RouteDoc | None = getattr(route.endpoint, "__openapi__", None)
-        if doc is None:
-            continue
+        doc: RouteDoc = getattr(route.endpoint, "__openapi__", None) or _undocumented(route)
         for method in sorted(m for m in (route.methods or ()) if m != "HEAD"):
             op: dict[str, Any] = {"summary": doc.summary, "tags": [doc.tag], "responses": {}}
             if doc.request is not None:
@@ -64,6 +65,8 @@ def build_openapi(routes: list[Route], version: str) -> dict:
                 content["application/json"] = {"schema": {"type": "array", "items": ref} if doc.response_is_list else ref}
             if doc.streams:
                 content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events"}}
+            if doc.text_media_type is not None:
+                content[doc.text_media_type] = {"schema": {"type": "string"}}
             if content:
                 ok["content"] = content
             op["responses"]["200"] = ok
@@ -82,8 +85,14 @@ def build_openapi(routes: list[Route], version: str) -> dict:
     }
 
 
+def _undocumented(route: Route) -> RouteDoc:
+    lines = (getattr(route.endpoint, "__doc__", None) or "").strip().splitlines()
+    return RouteDoc(summary=lines[0] if lines else route.path, tag="Plugins")
+
+
 _ERROR_TEXT = {
-    400: "malformed JSON or body not UTF-8",
+    400: "malformed JSON (or not strict JSON: NaN, infinite numbers, too deep) or body not UTF-8",
+    408: "the body did not arrive within --request-body-timeout",
     413: "body larger than --payload-limit",
     415: "Content-Type is not application/json",
     422: "a field has the wrong type, is out of range, unknown, or not available yet",

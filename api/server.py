@@ -112,6 +112,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider
             yield
         finally:
             warm_up.cancel()
+            service.close()
             engine.shutdown()
             tracing.shutdown()
 
@@ -123,7 +124,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider
         ))
     middleware.append(Middleware(
         RequestMiddleware, metrics=metrics, tracing=tracing, lifecycle=lifecycle, api_key=settings.api_key,
-        known_paths=frozenset(route.path for route in routes),
+        known_paths=frozenset(route.path for route in routes), payload_limit=settings.payload_limit,
+        body_timeout_s=settings.request_body_timeout,
     ))
     app = Starlette(
         routes=routes,

@@ -1,11 +1,23 @@
-"""What every route shares: the async engine, the limits, admission control."""
+"""What every route shares: the async engine, the limits, admission control, and
+a few threads that prepare requests off the event loop.
+
+Tokenizing and chat templating take time that grows with the request (seconds for
+a 2 MB prompt), so routes run them with `run_blocking` on the service's own small
+thread pool, never on the event loop: /health answers meanwhile. Before that,
+`check_chars` refuses a text that cannot fit --max-input-tokens, by its length alone.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ember.api.context import GenerationRecord, current
 from ember.api.errors import APIError, overloaded, validation_error
@@ -13,6 +25,10 @@ from ember.api.settings import ResolvedLimits
 from ember.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
+from ember.tokenizer import max_chars_per_token
+
+T = TypeVar("T")
+NUM_PREPARE_THREADS = 4  # tokenizers release the GIL; a few threads keep one huge prompt from queueing the rest
 
 
 @dataclass(frozen=True)
@@ -32,6 +48,27 @@ class GenerationService:
         self.tokenizer = engine.engine.tokenizer
         self.num_in_flight = 0
         self.started_at = time.time()
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ember-prepare")
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a preparation thread (in this request's context), off the event loop."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def check_chars(self, text: str, input_name: str, max_tokens: int | None = None) -> None:
+        """422 for a text too long to fit ``max_tokens`` (default --max-input-tokens)
+        whatever its tokens (see `ember.tokenizer.max_chars_per_token`), without
+        tokenizing it."""
+        max_tokens = self.limits.max_input_tokens if max_tokens is None else max_tokens
+        if self.chars_per_token is not None and len(text) > self.chars_per_token * max_tokens:
+            raise validation_error(
+                f"`{input_name}` must have at most {max_tokens} tokens; its {len(text)} "
+                f"characters are more than that many tokens can hold", input_name,
+            )
 
     def acquire(self) -> None:
         """Count a request in flight; past --max-concurrent-requests answer 429 at once.
@@ -60,6 +97,22 @@ class GenerationService:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_with_offsets(self, text: str, keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
+        """The number of tokens of ``text``, and the ids and (start, stop) character
+        offsets of its last ``keep_last`` tokens. A fast tokenizer's encoding gives just
+        those (a list of 2 M offsets would hold the GIL for a second)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
+            num_tokens = len(encoding)
+            start = max(0, num_tokens - keep_last)
+            offsets = [encoding.token_to_chars(i) or (0, 0) for i in range(start, num_tokens)]  # None: a special token
+            return num_tokens, encoding.ids[start:], offsets
+        encoding = self.tokenizer(text, return_offsets_mapping=True)
+        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        start = max(0, len(ids) - keep_last)
+        return len(ids), ids[start:], offsets[start:]
 
     def check_lengths(self, num_input: int, max_new_tokens: int | None, input_name: str = "inputs") -> int:
         """Apply the TGI limits; return max_new_tokens (defaulting to the room left)."""

@@ -10,7 +10,8 @@ from starlette.types import Receive, Scope, Send
 
 
 def sse_event(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One event; strict JSON (a NaN or infinity raises ValueError instead of leaking)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
     return b"data: " + data.encode("utf-8") + b"\n\n"
 
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
-from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
+from ember.api.http import ClientDisconnected, read_model, unless_disconnected
 from ember.api.openapi import documented
 from ember.api.routes.common import with_watermark
 from ember.api.schemas import openai as oa
@@ -323,8 +323,8 @@ class OpenAIRoutes:
                 response=oa.CompletionResponse, streams=True, error_model=oa.ErrorResponse)
     async def completions(self, request: Request) -> Response:
         try:
-            body = parse_model(oa.CompletionRequest, await read_json(request, self.service.limits.payload_limit))
-            jobs = self._completion_jobs(body)
+            body = await read_model(request, oa.CompletionRequest)
+            jobs = await self.service.run_blocking(self._completion_jobs, body)
             reply = self._reply("cmpl", "text_completion", body)
             if body.stream:
                 return self._stream(self._guarded(self._completion_events(reply, jobs)), len(jobs))
@@ -377,6 +377,7 @@ class OpenAIRoutes:
             if not item:
                 raise validation_error(f"`{name}` is empty: give a non-empty prompt", name)
             if isinstance(item, str):
+                self.service.check_chars(item, name)
                 prompts.append((item, self.service.encode(item), name))
                 continue
             bad = next((t for t in item if not 0 <= t < vocab), None)
@@ -415,8 +416,8 @@ class OpenAIRoutes:
                 response=oa.ChatCompletionResponse, streams=True, error_model=oa.ErrorResponse)
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body = parse_model(oa.ChatCompletionRequest, await read_json(request, self.service.limits.payload_limit))
-            job = self._chat_job(body)
+            body = await read_model(request, oa.ChatCompletionRequest)
+            job = await self.service.run_blocking(self._chat_job, body)
             reply = self._reply("chatcmpl", "chat.completion", body)
             if body.stream:
                 chunk_reply = _Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,
@@ -466,6 +467,8 @@ class OpenAIRoutes:
         return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None
 
     def _chat_prompt(self, messages: list[oa.ChatMessage]) -> str:
+        """The messages through the chat template (after a length check: the prompt
+        holds every message's text)."""
         plain = []
         for i, message in enumerate(messages):
             content = message.content
@@ -481,6 +484,7 @@ class OpenAIRoutes:
                 content = "\n".join(part.text for part in content)  # type: ignore[misc]
             role = "system" if message.role == "developer" else message.role
             plain.append({"role": role, "content": content})
+        self.service.check_chars("".join(m["content"] for m in plain), "messages")
         try:
             return apply_chat_template(self.service.tokenizer, plain)
         except (ValueError, TemplateError) as exc:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.openapi import documented
 from ember.api.routes.common import with_watermark
-from ember.api.http import ClientDisconnected, parse_model, read_json, unless_disconnected
+from ember.api.http import ClientDisconnected, read_model, unless_disconnected
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
@@ -106,11 +106,11 @@ class TGIRoutes:
             Route("/tokenize", self.tokenize, methods=["POST"]),
         ]
 
-    async def _prepare(self, body: tgi.GenerateRequest, is_stream: bool = False) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, body: tgi.GenerateRequest, is_stream: bool = False) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate (on a preparation thread: `GenerationService.run_blocking`)."""
         service = self.service
         if not body.inputs:
             raise APIError(422, "`inputs` is empty: give a non-empty prompt", "validation", "inputs")
-        ids = service.encode(body.inputs)
         p = body.parameters
         if p.decoder_input_details and is_stream:
             raise APIError(
@@ -119,35 +119,35 @@ class TGIRoutes:
             )
         if is_stream and p.best_of is not None and p.best_of > 1:
             raise APIError(422, "`best_of` > 1 is not supported when streaming tokens", "validation", "best_of")
-        if p.truncate is not None:
-            if p.truncate > service.limits.max_input_tokens:
-                raise APIError(
-                    422, f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {p.truncate}",
-                    "validation", "truncate",
-                )
-            ids = ids[-p.truncate :]
+        if p.truncate is not None and p.truncate > service.limits.max_input_tokens:
+            raise APIError(
+                422, f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {p.truncate}",
+                "validation", "truncate",
+            )
         service.check_stop(p.stop, "stop")
+        if p.truncate is None:
+            service.check_chars(body.inputs, "inputs")
+        ids = service.encode(body.inputs)
+        if p.truncate is not None:
+            ids = ids[-p.truncate :]
         max_new = service.check_lengths(len(ids), p.max_new_tokens)
         params = sampling_params(p, max_new)
         service.validate(ids, params)
         return ids, params
-
-    async def _read(self, request: Request, model: type) -> tgi.GenerateRequest:
-        return parse_model(model, await read_json(request, self.service.limits.payload_limit))
 
     # -- /generate --------------------------------------------------------------
     @documented(summary="Generate text (TGI)", tag="TGI", request=tgi.GenerateRequest,
                 response=tgi.GenerateResponse, error_model=tgi.ErrorResponse)
     async def generate(self, request: Request) -> Response:
         try:
-            body = await self._read(request, tgi.GenerateRequest)
+            body = await read_model(request, tgi.GenerateRequest)
             return await self._generate(request, body)
         except APIError as exc:
             return error_response(exc, Flavor.TGI)
 
     async def _generate(self, request: Request, body: tgi.GenerateRequest) -> Response:
         service = self.service
-        ids, params = await self._prepare(body)
+        ids, params = await service.run_blocking(self._prepare, body)
         with service.admit():
             try:
                 final = service.generate_final(body.inputs, ids, params, body.parameters.priority)
@@ -199,14 +199,14 @@ class TGIRoutes:
                 response=tgi.StreamResponse, streams=True, error_model=tgi.ErrorResponse)
     async def generate_stream(self, request: Request) -> Response:
         try:
-            body = await self._read(request, tgi.GenerateRequest)
+            body = await read_model(request, tgi.GenerateRequest)
             return await self._stream(body)
         except APIError as exc:
             return error_response(exc, Flavor.TGI)
 
     async def _stream(self, body: tgi.GenerateRequest) -> Response:
         service = self.service
-        ids, params = await self._prepare(body, is_stream=True)
+        ids, params = await service.run_blocking(self._prepare, body, True)
         service.acquire()
         return EventStreamResponse(self._events(body, ids, params), on_close=service.release)
 
@@ -258,7 +258,7 @@ class TGIRoutes:
                 error_model=tgi.ErrorResponse)
     async def compat(self, request: Request) -> Response:
         try:
-            body = await self._read(request, tgi.CompatGenerateRequest)
+            body = await read_model(request, tgi.CompatGenerateRequest)
             if body.stream:
                 return await self._stream(body)
             return await self._generate(request, body)
@@ -270,12 +270,27 @@ class TGIRoutes:
                 response=tgi.SimpleToken, response_is_list=True, error_model=tgi.ErrorResponse)
     async def tokenize(self, request: Request) -> Response:
         try:
-            body = parse_model(tgi.TokenizeRequest, await read_json(request, self.service.limits.payload_limit))
+            body = await read_model(request, tgi.TokenizeRequest)
+            return JSONResponse(await self.service.run_blocking(self._tokens, body))
         except APIError as exc:
             return error_response(exc, Flavor.TGI)
-        encoding = self.service.tokenizer(body.inputs, return_offsets_mapping=True)
-        tokens = [
+
+    def _tokens(self, body: tgi.TokenizeRequest) -> list[dict]:
+        """The prompt's tokens as /generate would see them: at most --max-input-tokens
+        (422 past it), or the last `parameters.truncate`."""
+        service = self.service
+        truncate = body.parameters.truncate if body.parameters is not None else None
+        if truncate is not None and truncate > service.limits.max_input_tokens:
+            raise validation_error(
+                f"`truncate` must be <= {service.limits.max_input_tokens}. Given: {truncate}", "truncate"
+            )
+        if truncate is None:
+            service.check_chars(body.inputs, "inputs")
+        max_input = service.limits.max_input_tokens
+        num_tokens, ids, offsets = service.encode_with_offsets(body.inputs, truncate or max_input)
+        if truncate is None and num_tokens > max_input:
+            raise validation_error(f"`inputs` must have at most {max_input} tokens. Given: {num_tokens}", "inputs")
+        return [
             {"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
-            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+            for token_id, (start, stop) in zip(ids, offsets)
         ]
-        return JSONResponse(tokens)

@@ -46,7 +46,7 @@ class StreamOptions(Strict):
 class SamplingFields(Strict):
     """What both routes share."""
 
-    model: str = Field(description="echoed back; any name is accepted (one model is served)")
+    model: str = Field(max_length=512, description="echoed back; any name is accepted (one model is served)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy decoding")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16, description="completions per prompt; they share the prompt's KV blocks")
@@ -90,7 +90,7 @@ class SamplingFields(Strict):
         for key, bias in (value or {}).items():
             if not key.isascii() or not key.isdigit():
                 raise PydanticCustomError(
-                    "logit_bias_key", "keys must be token ids (non-negative integers), got {key!r}", {"key": key}
+                    "logit_bias_key", "keys must be token ids (non-negative integers), got {key}", {"key": repr(key)}
                 )
             if not -100.0 <= bias <= 100.0:
                 raise PydanticCustomError(

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ember.api.errors import APIError, Flavor, error_response, validation_error
-from ember.api.http import parse_model, read_json
+from ember.api.http import read_model
+from ember.api.openapi import documented
 
 from .processor import NAME, WatermarkProcessor
 
@@ -42,19 +42,30 @@ class WatermarkRoutes:
     def routes(self) -> list[Route]:
         return [Route("/watermark/detect", self.detect, methods=["POST"])]
 
+    @documented(summary="Score text or token ids for the watermark: green count, z-score, p-value",
+                tag="Watermark", request=DetectRequest)
     async def detect(self, request: Request) -> JSONResponse:
         """Score text or token ids: green count, z-score, p-value."""
         try:
-            body = parse_model(DetectRequest, await read_json(request, self.service.limits.payload_limit))
+            body = await read_model(request, DetectRequest)
             if (body.text is None) == (body.token_ids is None):
                 raise validation_error("give exactly one of `text` and `token_ids`")
             processor = find_processor(self.service)
-            detector = processor.create_detector(body.gamma)
+            # what one request can generate at most is what there is to score
+            max_tokens = self.service.limits.max_total_tokens
+            if body.token_ids is not None and len(body.token_ids) > max_tokens:
+                raise validation_error(
+                    f"`token_ids` holds {len(body.token_ids)} tokens; at most --max-total-tokens ({max_tokens})",
+                    "token_ids",
+                )
+            if body.text is not None:
+                self.service.check_chars(body.text, "text", max_tokens)
             try:
+                detector = processor.create_detector(body.gamma)
                 if body.text is not None:
-                    output = await run_in_threadpool(detector.detect_text, body.text)
+                    output = await self.service.run_blocking(detector.detect_text, body.text)
                 else:
-                    output = await run_in_threadpool(detector.detect, body.token_ids, body.prefix_token_id)
+                    output = await self.service.run_blocking(detector.detect, body.token_ids, body.prefix_token_id)
             except ValueError as exc:
                 raise validation_error(str(exc)) from None
         except APIError as exc:
