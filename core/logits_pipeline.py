@@ -3,7 +3,8 @@
 The order is each processor's ``order`` (then its name): logit_bias, repetition
 penalty, frequency/presence penalty, bad words, min_tokens and third-party
 adjustments first; then temperature; then the truncations top-k, top-p, min-p and
-typical-p. The sampler draws from what comes out.
+typical-p. The sampler draws from what comes out, which is always a distribution:
+every row finite or -inf (a ban) with at least one finite entry (`repair_non_finite`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class LogitsPipeline:
                 sub = processor.apply(logits.index_select(0, index), [rows[i] for i in indices])
                 logits.index_copy_(0, index, sub)
             assert logits.shape[0] == len(rows), f"logits processor {processor.name!r} changed the batch size"
-        return logits
+        return repair_non_finite(logits)
 
     def _processors_of(self, row: SamplingRow) -> tuple[int, ...]:
         active = self._active.get(row.request_id)
@@ -122,3 +123,27 @@ class LogitsPipeline:
                 self.processors[k].add_request(row.request_id, params, row.prompt_token_ids)
             self._active[row.request_id] = active
         return active
+
+
+def repair_non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Make every row of ``logits`` a distribution the sampler can draw from, in place.
+
+    A processor can push a logit past float32's range (a huge bias, a penalty near 0, a
+    third party's bug) and softmax of infinities is NaN, which would pick token 0 and
+    report a NaN logprob. In a row that has NaN or +inf: NaN is a ban (-inf); if +inf
+    remains, its tokens are the only ones left, equally likely; a row with nothing
+    finite left is uniform. One max per row finds such rows: they are rare.
+    """
+    if logits.numel() == 0:
+        return logits
+    row_max = logits.amax(dim=-1)  # NaN if the row has a NaN, +inf if it has +inf, -inf if all are banned
+    bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+    for i in bad:
+        row = logits[i]
+        row.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        is_top = torch.isposinf(row)
+        if is_top.any():
+            row.copy_(torch.where(is_top, 0.0, float("-inf")))
+        elif not torch.isfinite(row).any():
+            row.zero_()
+    return logits

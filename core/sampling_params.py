@@ -10,6 +10,9 @@ from typing import Any
 from ember.logprobs import MAX_LOGPROBS
 
 MAX_PARALLEL_SAMPLES = 16
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-300 would
+# overflow to infinity, and the limit of sampling as temperature -> 0 is the argmax.
+GREEDY_TEMPERATURE = 1e-5
 
 # Names of the built-in logits processors that the standard fields switch on (see
 # `SamplingParams.logits_processor_names`); a key of `extra` may not take them.
@@ -31,7 +34,8 @@ def _is_token_id(value: Any) -> bool:
 class SamplingParams:
     """How to pick the next tokens of one request.
 
-    `temperature == 0` means greedy. `top_k <= 0` (or -1) disables top-k;
+    `temperature == 0` means greedy, and so does any temperature below
+    `GREEDY_TEMPERATURE` (1e-5). `top_k <= 0` (or -1) disables top-k;
     `top_p == 1.0` disables nucleus sampling. `seed` makes a request's samples
     reproducible whatever else shares its batch. Generation stops at EOS (unless
     `ignore_eos`), at any of `stop_token_ids`, or after `max_tokens` tokens;
@@ -195,4 +199,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

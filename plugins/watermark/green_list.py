@@ -21,7 +21,6 @@ CPU ``randperm`` has not changed its algorithm.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,6 +29,9 @@ import torch
 DEFAULT_KEY = "ember-watermark"  # public: a server that relies on the watermark sets its own
 DEFAULT_GAMMA = 0.25  # as TGI (WATERMARK_GAMMA)
 DEFAULT_DELTA = 2.0  # as TGI (WATERMARK_DELTA)
+# Past about 50 a red token never wins anyway; a bound keeps logits + delta finite in
+# float32 (1e308 would be infinity there, and softmax of infinities is NaN).
+MAX_DELTA = 1000.0
 _CACHE_SIZE = 512  # green lists kept per GreenList (12k ids each at SmolLM2's vocabulary)
 
 
@@ -40,8 +42,8 @@ def check_gamma(gamma: object, what: str = "gamma") -> float:
 
 
 def check_delta(delta: object, what: str = "delta") -> float:
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (math.isfinite(delta) and delta >= 0):
-        raise ValueError(f"watermark {what} must be a finite number >= 0, got {delta!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta <= MAX_DELTA:
+        raise ValueError(f"watermark {what} must be a number in [0, {MAX_DELTA:g}], got {delta!r}")
     return float(delta)
 
 
