@@ -367,24 +367,25 @@ class OpenAIRoutes:
         return jobs
 
     def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:
-        """(text, token ids, name for errors) of each prompt."""
+        """(text, token ids, name for errors) of each prompt; every prompt's cheap
+        checks pass before any is tokenized."""
         is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         items = prompt if is_batch else [prompt]
+        names = [f"prompt[{i}]" if is_batch else "prompt" for i in range(len(items))]
         vocab = self.service.engine.engine.hf_config.vocab_size
-        prompts = []
-        for i, item in enumerate(items):
-            name = f"prompt[{i}]" if is_batch else "prompt"
+        for item, name in zip(items, names):
             if not item:
                 raise validation_error(f"`{name}` is empty: give a non-empty prompt", name)
             if isinstance(item, str):
                 self.service.check_chars(item, name)
-                prompts.append((item, self.service.encode(item), name))
                 continue
             bad = next((t for t in item if not 0 <= t < vocab), None)
             if bad is not None:
                 raise validation_error(f"`{name}` token id {bad} is outside the vocabulary [0, {vocab})", name)
-            prompts.append((None, list(item), name))
-        return prompts
+        return [
+            (item, self.service.encode(item), name) if isinstance(item, str) else (None, list(item), name)
+            for item, name in zip(items, names)
+        ]
 
     async def _completion_events(self, reply: _Reply, jobs: list[_Job]) -> AsyncIterator[bytes]:
         choice_jobs = per_choice(jobs)  # streaming has no best_of > n: choices are samples
