@@ -17,18 +17,26 @@ from ember.weights import InvalidCheckpointError, iter_safetensors
 logger = logging.getLogger(__name__)
 
 
+def read_json_object(path: Path) -> dict:
+    """A model file that holds one JSON object (config.json, generation_config.json);
+    `InvalidCheckpointError` naming the file if it is not one, OSError if unreadable."""
+    try:
+        values = json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidCheckpointError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise InvalidCheckpointError(f"{str(path)!r} is not a JSON object but {type(values).__name__}")
+    return values
+
+
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
     """The model's config.json; `InvalidCheckpointError` (a `ValueError`) naming the file if it
     is not a JSON object, `ValueError` for anything else transformers refuses in it."""
     path = Path(model_dir) / "config.json"
     try:
-        values = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpointError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+        read_json_object(path)
     except OSError:
-        values = {}  # not readable here: transformers says what is wrong below
-    if not isinstance(values, dict):
-        raise InvalidCheckpointError(f"{str(path)!r} is not a JSON object but {type(values).__name__}")
+        pass  # not readable here: transformers says what is wrong below
     try:
         return AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:

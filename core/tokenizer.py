@@ -70,11 +70,15 @@ def eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[
     ids: list[int] = []
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.exists():
-        value = json.loads(gen_path.read_text()).get("eos_token_id")
-        if isinstance(value, int):
+        from ember.model_loader import read_json_object
+
+        value = read_json_object(gen_path).get("eos_token_id")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(int(v) for v in value)
+        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            ids.extend(value)
+        elif value is not None:
+            raise ValueError(f"{str(gen_path)!r}: eos_token_id must be a token id or a list of them, got {value!r}")
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(ids))

@@ -155,6 +155,17 @@ def test_config_that_is_not_an_object(tiny_dir, tmp_path):
     assert str(config) in str(excinfo.value)
 
 
+@pytest.mark.parametrize("content, words", [
+    (b"{not json", "not valid JSON"),
+    (b'{"eos_token_id": "two"}', "eos_token_id must be a token id"),
+    (b'{"eos_token_id": [1, -2]}', "eos_token_id must be a token id"),
+])
+def test_generation_config_that_is_damaged(tiny_dir, tmp_path, capsys, content, words):
+    model_dir, bad = damaged_copy(tiny_dir, tmp_path, "generation_config.json", content)
+    status, err = run_cli(["generate", "hi", "--model-id", str(model_dir)], capsys)
+    assert_clean_error(status, err, bad, words)
+
+
 def test_serve_with_a_damaged_model_exits_2_before_listening(tiny_dir, tmp_path, capsys):
     model_dir, bad = damaged_copy(tiny_dir, tmp_path, "model.safetensors", b"")
     status, err = run_cli(["serve", "--model-id", str(model_dir), "--port", "1"], capsys)
