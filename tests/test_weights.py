@@ -242,6 +242,21 @@ def test_index_shard_must_name_a_file_inside_the_model_directory(tmp_path, monke
     assert opened == []
 
 
+def test_index_shard_that_links_outside_the_model_directory_is_refused(tmp_path, monkeypatch):
+    """A symlink shipped in a model archive leads nowhere else either."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file({"a": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
+    (model_dir / "model-00001.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index = model_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001.safetensors"}}))
+    opened = []
+    monkeypatch.setattr(safetensors_loader, "safe_open", lambda path, *a, **k: opened.append(path))
+    with pytest.raises(ValueError, match="outside the model directory") as excinfo:
+        list(iter_safetensors(model_dir))
+    assert str(index) in str(excinfo.value) and opened == []
+
+
 def test_index_shards_in_a_hub_cache_snapshot_are_symlinks_out_of_it_and_load(tmp_path):
     """huggingface_hub's snapshot files are symlinks into ../../blobs: the index names them plainly."""
     model = tiny_model()

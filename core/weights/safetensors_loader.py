@@ -123,10 +123,10 @@ def _plan_from_index(index: Path) -> list[tuple[Path, list[str] | None]]:
 
     A shard must be named by a plain relative path: not absolute and without
     `..`, so that a downloaded index cannot point Ember at any other file on
-    the machine. Where the named file leads is not checked: the Hugging Face
-    hub cache's snapshot files are symlinks into `../../blobs/`, so a rule on
-    resolved paths would refuse every hub-cached model, and a symlink placed
-    inside the directory is its owner's choice, like the directory itself.
+    the machine; and the file must resolve (symlinks followed) inside the
+    directory, or, for a Hugging Face hub cache snapshot, inside its
+    repository's `blobs/` (snapshot files are symlinks to `../../blobs/`), so
+    that a link shipped in a model archive cannot lead elsewhere either.
     """
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -139,6 +139,7 @@ def _plan_from_index(index: Path) -> list[tuple[Path, list[str] | None]]:
             f"{str(index)!r} is not a valid safetensors index: 'weight_map' is a {type(weight_map).__name__}, "
             "not an object of tensor name -> shard file"
         )
+    roots = _shard_roots(index.parent)
     names_by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
@@ -158,8 +159,25 @@ def _plan_from_index(index: Path) -> list[tuple[Path, list[str] | None]]:
             raise InvalidCheckpointError(
                 f"{str(index)!r} lists shard {shard!r}, which does not exist in {str(index.parent)!r}"
             )
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise InvalidCheckpointError(
+                f"{str(index)!r} lists shard {shard!r}, a link to {str(resolved)!r}, which is outside the model "
+                f"directory {str(index.parent)!r}"
+            )
         plan.append((path, names_by_shard[shard]))
     return plan
+
+
+def _shard_roots(model_dir: Path) -> list[Path]:
+    """Where an index's shards may lead: the model directory, and for a snapshot of the
+    Hugging Face hub cache (``<repo>/snapshots/<commit>/``) its repository's ``blobs/``,
+    where the snapshot's files are symlinks to."""
+    root = model_dir.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
 
 
 def _is_plain_relative(name: str) -> bool:
