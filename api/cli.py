@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> int:
     import ember
     from ember.config import EngineConfig
-    from ember.engine import resolve_max_model_len
+    from ember.kv_sizing import resolve_max_model_len
     from ember.llm import encode_chat
     from ember.model_loader import load_hf_config
     from ember.plugin import create_plugin_manager
@@ -500,7 +500,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from ember.api.server import serve
     from ember.api.settings import ServerSettings, kv_shortfall_message
-    from ember.engine import KVCacheTooSmallError
+    from ember.kv_sizing import KVCacheTooSmallError
 
     # Contradictory limits are refused here, before a model is loaded.
     settings = ServerSettings(

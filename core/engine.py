@@ -12,6 +12,7 @@ import torch
 from ember.backend import BaseBackend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
+from ember.kv_sizing import check_kv_cache, resolve_max_model_len
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import LogitsProcessorContext
 from ember.logprobs import Logprob, to_logprob_dict
@@ -43,46 +44,6 @@ def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
     if not available:
         raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
     return max(available, key=lambda c: c.priority)()
-
-
-def resolve_max_model_len(hf_config, requested: int | None) -> int:
-    """``requested`` (None: the model's context), checked against the model's context."""
-    model_max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
-        # Ember has no sliding-window attention yet: stay within the window,
-        # where full attention is exact.
-        model_max_len = min(model_max_len, int(sliding_window))
-    max_model_len = requested or model_max_len
-    if max_model_len > model_max_len:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {model_max_len}")
-    return max_model_len
-
-
-class KVCacheTooSmallError(ValueError):
-    """The KV cache cannot hold one request of ``max_model_len`` tokens (raised only with
-    ``EngineConfig.require_kv_for_max_model_len``). ``budget_bytes``: the memory the pool
-    was sized from, and ``bytes_per_token`` the model's; both None when the pool was
-    given in blocks (then the check runs before the model is built)."""
-
-    def __init__(
-        self, num_kv_tokens: int, max_model_len: int, block_size: int,
-        bytes_per_token: int | None, budget_bytes: int | None,
-    ) -> None:
-        self.num_kv_tokens = num_kv_tokens
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.bytes_per_token = bytes_per_token
-        self.budget_bytes = budget_bytes
-        needed_blocks = -(-max_model_len // block_size)
-        if budget_bytes is None or bytes_per_token is None:
-            fix = f"num_kv_blocks to at least {needed_blocks}"
-        else:
-            fix = f"kv_cache_memory_bytes to at least {needed_blocks * block_size * bytes_per_token}"
-        super().__init__(
-            f"the KV cache holds {num_kv_tokens} tokens, less than one request of max_model_len {max_model_len}; "
-            f"lower max_model_len to at most {num_kv_tokens} or raise {fix}"
-        )
 
 
 @dataclass
@@ -135,12 +96,12 @@ class LLMEngine:
         # too small is refused in seconds, not after loading.
         num_blocks = config.num_kv_blocks
         if num_blocks is not None:
-            self._check_kv_cache(num_blocks, None, None)
+            check_kv_cache(num_blocks, config, self.max_model_len)
         elif config.kv_cache_memory_bytes is not None:
             spec = self._kv_cache_spec_before_loading(attention, architectures)
             budget = config.kv_cache_memory_bytes
             num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
-            self._check_kv_cache(num_blocks, spec.bytes_per_token(self.kv_dtype), budget)
+            check_kv_cache(num_blocks, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
         self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
 
         bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
@@ -148,7 +109,7 @@ class LLMEngine:
             model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             budget = self.backend.kv_cache_memory_bytes(model_bytes)
             num_blocks = budget // (bytes_per_token * block_size)
-            self._check_kv_cache(num_blocks, bytes_per_token, budget)
+            check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
         max_model_len = self.max_model_len
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         if config.max_num_batched_tokens is not None:
@@ -195,15 +156,6 @@ class LLMEngine:
             dtype=self.backend.weight_dtype(self.dtype), device="meta",
         )
         return model.kv_cache_spec
-
-    def _check_kv_cache(self, num_blocks: int, bytes_per_token: int | None, budget_bytes: int | None) -> None:
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
-        num_tokens = num_blocks * self.config.block_size
-        if self.config.require_kv_for_max_model_len and num_tokens < self.max_model_len:
-            raise KVCacheTooSmallError(
-                num_tokens, self.max_model_len, self.config.block_size, bytes_per_token, budget_bytes
-            )
 
     # -- requests -------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

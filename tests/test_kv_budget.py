@@ -131,7 +131,7 @@ def test_derived_limits_are_named_as_derived():
 
 def test_the_engine_refuses_a_kv_cache_below_max_model_len_only_when_asked(tiny_llama_dir, monkeypatch):
     import ember.engine
-    from ember.engine import KVCacheTooSmallError
+    from ember.kv_sizing import KVCacheTooSmallError
 
     with monkeypatch.context() as patch:
         patch.setattr(ember.engine, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
