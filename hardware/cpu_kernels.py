@@ -22,14 +22,10 @@ with ctypes; it shares PyTorch's OpenMP runtime and thread count. Where the CPU 
 AVX2/FMA, or no compiler works, ``load()`` returns None (the reason is logged once)
 and the backend keeps PyTorch's kernels. ``EMBER_CPU_NATIVE=0`` turns this off.
 
-Loading a library runs its code, so a cached one is trusted only as ssh trusts its
-files: the kernel directory must be this user's and writable by no one else (it is
-created 0700; if it is not, the kernels are off and the log says why), and the
-library must be this user's, writable by no one else, and hash to the sha256 recorded
-in ``<library>.sha256`` when it was built (the record is written after the library,
-both by atomic rename). A library that fails is rebuilt (atomically replaced, so a
-process that has the old one loaded keeps it); the one loaded is the very file that
-was hashed (through its open descriptor).
+A cached library is loaded only if it passes `ember.hardware.trusted_library`'s
+checks (this user's, writable by no one else, the sha256 recorded when it was built);
+one that fails is rebuilt (atomically replaced, so a process that has the old one
+loaded keeps it), and a kernel directory others could write to turns the kernels off.
 """
 
 from __future__ import annotations
@@ -39,15 +35,15 @@ import hashlib
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
-from typing import BinaryIO
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from ember.hardware.trusted_library import UntrustedKernelError, check_library, load_checked, make_private_dir, record_path
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +54,6 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "
 LIBS = ("-lm",)
 MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
-RECORD_SUFFIX = ".sha256"  # beside the library: its sha256 when built
-
-
-class UntrustedKernelError(RuntimeError):
-    """A cached kernel library, or the directory holding it, fails the ownership or hash check."""
 
 
 class NativeKernels:
@@ -264,7 +255,7 @@ def build(source: str, out_dir: Path) -> Path:
         raise RuntimeError("no C compiler (set CC or install gcc)")
     digest = hashlib.sha256(text + " ".join(FLAGS + LIBS).encode() + compiler.encode()).hexdigest()[:16]
     target = out_dir / f"{Path(source).stem}-{digest}.so"
-    _make_private_dir(out_dir)
+    make_private_dir(out_dir)
     if target.exists():
         with open(target, "rb") as f:
             problem = check_library(f, target)
@@ -288,81 +279,8 @@ def build(source: str, out_dir: Path) -> Path:
         record = Path(tmp) / "record"
         record.write_text(f"{sha256}  {target.name}\n")
         record.chmod(0o644)
-        os.replace(record, _record_path(target))  # after the library: a record never names a missing build
+        os.replace(record, record_path(target))  # after the library: a record never names a missing build
     return target
-
-
-def check_library(f: BinaryIO, path: Path) -> str | None:
-    """Why the library open as ``f`` (at ``path``) must not be loaded, or None: it and
-    its sha256 record must belong to this user, be writable by no one else, and the
-    content of ``f`` must hash to the recorded sha256."""
-    problem = _untrusted(os.fstat(f.fileno()), "it")
-    if problem:
-        return problem
-    record_path = _record_path(path)
-    try:
-        with open(record_path, "rb") as record:
-            problem = _untrusted(os.fstat(record.fileno()), f"its sha256 record {record_path}")
-            recorded = (record.read(1024).split() or [b""])[0].decode("ascii", "replace")
-    except FileNotFoundError:
-        return f"it has no sha256 record ({record_path.name})"
-    if problem:
-        return problem
-    f.seek(0)
-    actual = hashlib.file_digest(f, "sha256").hexdigest()
-    if actual != recorded:
-        return f"its sha256 {actual} is not the {recorded or '(empty)'} recorded when it was built"
-    return None
-
-
-def _untrusted(st: os.stat_result, what: str) -> str | None:
-    """Why ``what`` (a file or directory with status ``st``) is not to be trusted, or None:
-    ssh's StrictModes rule."""
-    uid = os.getuid()
-    if st.st_uid != uid:
-        return f"{what} is owned by uid {st.st_uid}, not by this user (uid {uid})"
-    if st.st_mode & 0o022:
-        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def _record_path(library: Path) -> Path:
-    return library.with_name(library.name + RECORD_SUFFIX)
-
-
-def _make_private_dir(directory: Path) -> None:
-    """Create ``directory`` 0700 if missing; UntrustedKernelError unless it is this user's and
-    writable by no one else (what is in it could then be swapped at any time)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        directory.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.stat(directory)
-    if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"{directory} is not a directory")
-    problem = _untrusted(st, f"the kernel directory {directory}")
-    if problem:
-        raise UntrustedKernelError(f"{problem}; remove it, or make it yours and private (chmod 700)")
-
-
-def _load_checked(path: Path) -> ctypes.CDLL:
-    """dlopen the library at ``path`` if `check_library` passes, through the same open
-    file, so that what was hashed is what is loaded. UntrustedKernelError if it does not pass."""
-    with open(path, "rb") as f:
-        problem = check_library(f, path)
-        if problem:
-            raise UntrustedKernelError(f"{path}: {problem}")
-        if not os.path.isdir("/proc/self/fd"):  # no procfs: the private directory must do
-            return ctypes.CDLL(str(path))
-        # Never closed once loaded: the loader knows the library by this /proc name, and
-        # would hand the same library back for that name if the number were reused.
-        fd = os.dup(f.fileno())
-    try:
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    except OSError:
-        os.close(fd)
-        raise
 
 
 def load() -> NativeKernels | None:
@@ -383,7 +301,7 @@ def load() -> NativeKernels | None:
     if reason is None:
         try:
             path = build(SOURCE, _cache_dir())
-            _LOADED = NativeKernels(_load_checked(path), path)
+            _LOADED = NativeKernels(load_checked(path), path)
         except UntrustedKernelError as exc:
             reason, level = str(exc), logging.WARNING
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
