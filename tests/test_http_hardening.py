@@ -139,6 +139,8 @@ def test_sigterm_answers_stalled_uploads_at_once_and_exits(tiny_llama_dir, tmp_p
         socks = [socket.create_connection(("127.0.0.1", server.port), timeout=20) for _ in range(3)]
         for sock in socks:
             sock.sendall(request_head("/v1/completions", 500) + b'{"model": ')
+        half_headers = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+        half_headers.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")  # never finished
         time.sleep(0.5)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -152,6 +154,8 @@ def test_sigterm_answers_stalled_uploads_at_once_and_exits(tiny_llama_dir, tmp_p
             assert json.loads(body)["error"]["code"] == "shutting_down"
         assert server.proc.wait(20) == 0
         assert time.monotonic() - started < 10  # not the 30 s graceful timeout, nor the 120 s body timeout
+        assert half_headers.recv(65536) == b""  # closed by uvicorn at shutdown, without an answer
+        half_headers.close()
     finally:
         server.stop()
 
