@@ -343,6 +343,7 @@ class HealthProbe(threading.Thread):
         self.num_probes = 0
         self.failures: list[str] = []
         self.current_row = ""
+        self.slowest_row = ""
 
     def run(self) -> None:
         with httpx.Client(timeout=5) as client:
@@ -419,6 +420,8 @@ def test_hostile_table_leaves_the_server_healthy(hostile_server):
     finally:
         probe.stop.set()
         probe.join()
+    print(f"\nhostile table: {len(rows)} rows, {len(failures)} failing; /health probed {probe.num_probes} times, "
+          f"slowest {probe.slowest * 1000:.0f} ms (during {getattr(probe, 'slowest_row', '-')!r})")
     assert not failures, "\n".join(failures)
     assert not probe.failures, probe.failures[:10]
     assert probe.num_probes > 50
