@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember.api.auth import check_authorization
 from ember.api.context import CLIENT_CLOSED, RequestContext, activate, deactivate
 from ember.api.errors import APIError, Flavor, error_response
+from ember.api.http import ClientDisconnected
 from ember.api.lifecycle import Lifecycle
 from ember.api.metrics import ServerMetrics
 from ember.api.tracing import Tracing
@@ -49,10 +50,6 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
 
 
 class RequestMiddleware:
@@ -117,7 +114,7 @@ class RequestMiddleware:
                     # upload holds no slot and does not delay a drain).
                     try:
                         body = await self._read_body(scope, receive)
-                    except ClientGone:
+                    except ClientDisconnected:
                         ctx.note_error(CLIENT_CLOSED, "client_disconnected")
                         ctx.status = CLIENT_CLOSED
                         return
@@ -151,7 +148,7 @@ class RequestMiddleware:
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         """The whole request body, within the payload limit and the body timeout.
         413 past the limit (at once if Content-Length says so), 408 past the timeout,
-        503 if the server starts draining meanwhile; `ClientGone` if the client left."""
+        503 if the server starts draining meanwhile; `ClientDisconnected` if the client left."""
         limit = self.payload_limit
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -179,7 +176,7 @@ class RequestMiddleware:
                     )
                 message = incoming.result()
                 if message["type"] == "http.disconnect":
-                    raise ClientGone()
+                    raise ClientDisconnected()
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:

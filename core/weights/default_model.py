@@ -117,12 +117,9 @@ def fetch_default_gguf(work_dir: Path, *, progress: bool = True) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """The hex sha256 of the file at `path`, read in chunks."""
-    digest = hashlib.sha256()
+    """The hex sha256 of the file at `path`."""
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _pip_download(work_dir: Path, *, progress: bool) -> Path:
