@@ -400,3 +400,56 @@ def test_compare_bad_input(capsys, tmp_path):
     assert status == 2 and "missing.json': no such file" in err
     status, out, err = bench(capsys, "compare", not_result)
     assert status == 2 and "at least two" in err
+
+
+# -- python -m ember.api.bench.core_step (issue 13's benchmark), end to end ----------------------
+def test_core_step_writes_every_figure(tiny_llama_dir, tmp_path):
+    """Offline, served at two concurrencies (`ember serve` in a subprocess), batch-1 decode
+    after and "before" (this same install as the baseline): every figure is in the JSON.
+    No assertion on timings."""
+    import subprocess
+
+    out = tmp_path / "core_step.json"
+    argv = [
+        sys.executable, "-m", "ember.api.bench.core_step", "--model", str(tiny_llama_dir), "--dtype", "float32",
+        "--num-prompts", "2", "--max-tokens", "4", "--concurrency", "1,2", "--num-warmups", "1",
+        "--decode-tokens", "4", "--decode-runs", "1", "--baseline-python", sys.executable,
+        "--engine-arg", "num_kv_blocks=64", "--engine-arg", "block_size=8",
+        "--serve-args", "--max-total-tokens 256 --max-batch-total-tokens 4096", "--no-progress", "--out", str(out),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "served@1 / offline" in proc.stdout and f"result written to {out}" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["schema"] == "ember-core-step/1" and result["warnings"] == []
+    machine = result["machine"]
+    assert machine["cores"] >= 1 and machine["usable_cores"] >= 1 and "cpu_model" in machine
+    assert set(machine["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert all(isinstance(v, bool) for v in machine["flags"].values())
+
+    figures = result["figures"]
+    assert figures["offline_tok_s"] > 0
+    assert set(figures["served"]) == {"1", "2"}
+    for served in figures["served"].values():
+        assert served["tok_s"] > 0
+        for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
+            assert served[key] is not None and served[key] >= 0, key
+    ratio = figures["served_over_offline"]
+    assert ratio["concurrency"] == 1 and ratio["ratio"] > 0 and ratio["bar"] == 0.95 and isinstance(ratio["met"], bool)
+    for key in ("decode_tok_s", "step_overhead_ms_mean", "step_overhead_ms_p50"):
+        value = figures[key]
+        assert value["before"] is not None and value["after"] is not None and value["after_over_before"] is not None, key
+    assert figures["decode_tok_s"]["after"] > 0 and figures["decode_tok_s"]["before"] > 0
+
+    # the same requests and token counts offline and served
+    offline = result["offline"]["result"]
+    assert result["offline"]["concurrency"] == 1
+    assert offline["num_completed"] == 2 and offline["total_output_tokens"] == 8
+    for concurrency, served in result["served"]["results"].items():
+        assert served["num_completed"] == 2 and served["total_output_tokens"] == 8
+        assert served["config"]["max_concurrency"] == int(concurrency) and served["config"]["ignore_eos"] is True
+    for which in ("after", "before"):
+        decode = result["decode"][which]
+        assert decode["python"] == sys.executable and decode["timed_methods"]
+        assert decode["model_ms_mean"] > 0 and decode["num_decode_steps"] == 3  # 4 tokens: 1 prefill + 3 decode steps
+        assert [run["output_tokens"] for run in decode["runs"]] == [4]

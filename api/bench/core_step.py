@@ -402,7 +402,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     m = result["machine"]
-    flags = ", ".join(f"{k}{'' if v else ' (no)'}" for k, v in m["flags"].items())
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["flags"].items())
     lines = [f"============ ember core_step: {result['config']['model']} ({result['config']['dtype']}) ============",
              f"machine: {m['cpu_model']}; {m['usable_cores']} of {m['cores']} cores; {flags}"]
     f = result["figures"]
