@@ -78,6 +78,8 @@ def measure_decode(spec):
     decode_tokens = int(spec["decode_tokens"])
     warmup_tokens = min(decode_tokens, 8)
     kwargs = {"model": spec["model"], "dtype": spec["dtype"]}
+    if spec.get("num_threads") is not None:
+        kwargs["num_threads"] = int(spec["num_threads"])
     # One request at a time: a KV pool of its size, not the backend's share of memory.
     block_size = getattr(EngineConfig, "block_size", 16)
     num_blocks = -(-(len(prompt_ids) + decode_tokens + 1) // block_size) + 1
@@ -206,7 +208,7 @@ def run_decode(python: str, spec: dict[str, Any], timeout_s: float) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="ember-core-step-") as cwd:
         try:
             proc = subprocess.run([python, "-c", _decode_snippet(), json.dumps(spec)], cwd=cwd, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout_s)
+                                  capture_output=True, timeout=timeout_s, check=False)
         except FileNotFoundError:
             raise ValueError(f"{python!r}: no such interpreter") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
@@ -223,7 +225,7 @@ def _git_commit(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
@@ -239,7 +241,8 @@ def machine_info() -> dict[str, Any]:
 
     model = None
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"})
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False,
+                             env={**os.environ, "LC_ALL": "C"})
         for line in out.stdout.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "Model name":
@@ -279,6 +282,7 @@ def _strip(result: dict[str, Any]) -> dict[str, Any]:
 
 def run_offline(model_dir: str, dtype: str, requests: list, concurrency: int | None, num_warmups: int,
                 engine_args: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """`benchmark_offline` of `requests` on a fresh engine, freed afterwards."""
     from ember.api.bench.offline import benchmark_offline
     from ember.api.bench.serve import LoadConfig
     from ember.config import EngineConfig
@@ -474,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Python of another install, for the 'before' batch-1 figures")
     p.add_argument("--only", choices=("served", "decode"), default=None,
                    help="run only offline+served, or only the batch-1 decode part")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="host threads of every engine: offline, `ember serve --num-threads`, batch-1 decode "
+                   "(default: the backend's own choice, as `ember serve`)")
     p.add_argument("--engine-arg", metavar="KEY=VALUE", type=_engine_arg, action="append", default=[],
                    help="offline: an EngineConfig field (repeatable), as `ember bench offline`")
     p.add_argument("--serve-args", metavar="ARGS", default="",
@@ -512,6 +519,12 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = str(resolve_model(model_id, progress=args.progress))
     offline_concurrency = args.concurrency[0] if args.offline_concurrency is None else (args.offline_concurrency or None)
     engine_args = dict(args.engine_arg)
+    serve_args = shlex.split(args.serve_args)
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+        engine_args.setdefault("num_threads", args.num_threads)
+        serve_args += ["--num-threads", str(args.num_threads)]
     tokenizer = load_tokenizer(Path(model_dir))
     requests = create_requests(DatasetSpec(name="chat", num_prompts=args.num_prompts, max_tokens=args.max_tokens))
 
@@ -522,7 +535,8 @@ def _run(args: argparse.Namespace) -> int:
             "model": model_id or "default", "model_dir": model_dir, "dtype": dtype, "dataset": "chat",
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
             "concurrency": args.concurrency, "offline_concurrency": offline_concurrency,
-            "num_warmups": args.num_warmups, "engine_args": engine_args, "serve_args": args.serve_args,
+            "num_warmups": args.num_warmups, "num_threads": args.num_threads, "engine_args": engine_args,
+            "serve_args": serve_args,
             "decode_tokens": args.decode_tokens, "decode_runs": args.decode_runs,
             "baseline_python": args.baseline_python, "only": args.only,
         },
@@ -537,7 +551,7 @@ def _run(args: argparse.Namespace) -> int:
                               args.progress)
         print(f"served at concurrency {', '.join(map(str, args.concurrency))} ...", file=sys.stderr, flush=True)
         served = run_served(model_dir, dtype, requests, args.concurrency, args.num_warmups,
-                            shlex.split(args.serve_args), args.startup_timeout, args.progress)
+                            serve_args, args.startup_timeout, args.progress)
         runs = {"offline": offline, **{f"served@{c}": r for c, r in served["results"].items()}}
         for name, r in runs.items():
             if r["num_failed"]:
@@ -554,7 +568,7 @@ def _run(args: argparse.Namespace) -> int:
         messages = requests[0].as_messages()
         prompt_ids = tokenizer.encode(apply_chat_template(tokenizer, messages), add_special_tokens=False)
         spec = {"model": model_dir, "dtype": dtype, "prompt_token_ids": prompt_ids,
-                "decode_tokens": args.decode_tokens, "runs": args.decode_runs}
+                "decode_tokens": args.decode_tokens, "runs": args.decode_runs, "num_threads": args.num_threads}
         print("batch-1 decode, after (this install) ...", file=sys.stderr, flush=True)
         after = run_decode(sys.executable, spec, args.decode_timeout)
         if args.baseline_python is not None:
