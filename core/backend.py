@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True)
 class SequenceSlice:
-    """One request's part of a flat batch, as attention needs it."""
+    """One request's part of a flat batch, in plain Python (tests, hand-built batches)."""
 
     num_query_tokens: int  # tokens of this request in the batch
     start_position: int  # position of its first query token (= tokens already cached)
@@ -35,14 +35,65 @@ class SequenceSlice:
         return self.start_position + self.num_query_tokens
 
 
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One step's flat batch as attention sees it, built by the model runner from its
+    persistent batch without touching each request's history.
+
+    Request ``i`` has ``query_lens[i]`` query tokens at positions
+    ``start_positions[i] ...`` (``start_positions[i]`` tokens are already cached).
+    Row ``i`` of ``block_table`` holds its block ids; entries past its last block are
+    valid block ids or 0, never read. ``slot_mapping[t]`` is the flat cache slot
+    (``block * block_size + offset``) of flat token ``t``.
+    """
+
+    query_lens: list[int]
+    start_positions: list[int]
+    block_table: torch.Tensor  # (num_requests, max_blocks) int64, on the device
+    slot_mapping: torch.Tensor  # (num_tokens,) int64, on the device
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    def context_len(self, i: int) -> int:
+        return self.start_positions[i] + self.query_lens[i]
+
+    def context_slots(self, i: int) -> torch.Tensor:
+        """Flat cache slots of request ``i``'s whole context (cached and new), in order."""
+        positions = torch.arange(self.context_len(i), device=self.device)
+        return self.block_table[i, positions // self.block_size] * self.block_size + positions % self.block_size
+
+    @classmethod
+    def from_slices(cls, slices: list[SequenceSlice], block_size: int, device: torch.device) -> AttentionBatch:
+        """Build a batch from plain Python slices (tests and third-party harnesses)."""
+        width = max([len(s.block_table) for s in slices] + [1])
+        table = torch.zeros(len(slices), width, dtype=torch.int64)
+        slots: list[int] = []
+        for i, s in enumerate(slices):
+            table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+            t = s.block_table
+            slots.extend(t[p // block_size] * block_size + p % block_size for p in range(s.start_position, s.context_len))
+        return cls(
+            [s.num_query_tokens for s in slices], [s.start_position for s in slices], table.to(device),
+            torch.tensor(slots, dtype=torch.int64, device=device), block_size,
+        )
+
+
 class BaseAttention(ABC):
     """Paged attention for one step. Built once per step, used by every layer."""
 
     @abstractmethod
-    def prepare(self, slices: list[SequenceSlice], block_size: int, device: torch.device) -> Any:
-        """Build the backend's metadata for one flat batch (slot mapping, gather
-        indices, masks). Called once per step; the result is passed to `forward`
-        of every layer unchanged."""
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """Build the backend's metadata for one flat batch (gather indices, masks,
+        kernel arguments) from ``batch``. Called once per step; the result is passed
+        to `forward` of every layer unchanged. Work here should be O(requests), not
+        O(context): a decode step must not walk each request's history."""
 
     @abstractmethod
     def forward(
@@ -152,8 +203,17 @@ class BaseBackend(ABC):
         return dtype
 
     @abstractmethod
-    def kv_cache_memory_bytes(self, model_bytes: int) -> int:
-        """Default memory budget for the KV cache, given the loaded weights' size."""
+    def kv_cache_memory_bytes(self, model_bytes: int, activation_bytes: int = 0) -> int:
+        """Memory budget for the KV cache when the user gave none: what the device
+        has left after the loaded weights (``model_bytes``) and the peak a profiling
+        forward pass at the largest step added (``activation_bytes``, 0 if unknown)."""
+
+    def peak_memory_of(self, run: Callable[[], None]) -> int | None:
+        """Run ``run()`` (the engine's profiling forward pass at the largest step) and
+        return how many bytes the device's memory peak rose above its level before;
+        None (the default) where the backend cannot measure it."""
+        run()
+        return None
 
     @abstractmethod
     def create_attention(self) -> BaseAttention:

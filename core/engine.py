@@ -5,29 +5,30 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
-from ember.backend import BaseBackend
+from ember.backend import AttentionBatch, BaseBackend, SequenceSlice
 from ember.config import EngineConfig, SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
 from ember.kv_sizing import check_kv_cache, resolve_max_model_len
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import LogitsProcessorContext
-from ember.logprobs import Logprob, to_logprob_dict
 from ember.model_loader import get_model_class, load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
 from ember.models.base import KVCacheSpec
-from ember.outputs import CompletionOutput, RequestOutput
+from ember.output_processor import EngineCoreOutput, OutputKind, OutputProcessor
+from ember.outputs import RequestOutput
 from ember.parallel_sampling import SampleGroup, child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
 from ember.request import Request, RequestStatus, check_priority
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
+from ember.step import SchedulerOutput
 from ember.stats import StepStats, record_step
-from ember.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from ember.tokenizer import eos_token_ids, load_tokenizer
 from ember.weights import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -44,28 +45,6 @@ def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
     if not available:
         raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
     return max(available, key=lambda c: c.priority)()
-
-
-@dataclass
-class _RequestState:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""  # the output text so far, cut at a stop string
-    num_emitted_chars: int = 0  # how much of `text` was streamed already
-    # request.output_top_logprobs / prompt_logprobs in the callers' shape, converted
-    # once per position (not once per step)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
-
-
-def find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
-    """Earliest occurrence at or after ``start`` of any of ``stops`` in ``text``."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
 
 
 class LLMEngine:
@@ -104,14 +83,7 @@ class LLMEngine:
             check_kv_cache(num_blocks, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
         self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
 
-        bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
-        if num_blocks is None:  # the backend's share of memory, which depends on the weights' size
-            model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            budget = self.backend.kv_cache_memory_bytes(model_bytes)
-            num_blocks = budget // (bytes_per_token * block_size)
-            check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
         max_model_len = self.max_model_len
-        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         if config.max_num_batched_tokens is not None:
             max_batched = config.max_num_batched_tokens
         elif config.enable_chunked_prefill:
@@ -119,6 +91,26 @@ class LLMEngine:
             max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
         else:
             max_batched = max(8192, max_model_len)
+
+        bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
+        if num_blocks is None:
+            # The backend's share of the memory left after the weights and the peak of
+            # a profiling forward pass at the largest step (vLLM's approach).
+            model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            num_profile = min(max_batched, max_model_len)
+            started = time.perf_counter()
+            activation_bytes = self.backend.peak_memory_of(
+                lambda: self._profile_forward(attention, num_profile, block_size, config.max_num_seqs)
+            )
+            logger.info(
+                "profiling forward pass of %d tokens: peak %s in %.2f s", num_profile,
+                "unknown" if activation_bytes is None else f"{activation_bytes / 2**20:.1f} MiB",
+                time.perf_counter() - started,
+            )
+            budget = self.backend.kv_cache_memory_bytes(model_bytes, activation_bytes or 0)
+            num_blocks = budget // (bytes_per_token * block_size)
+            check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill),
             self.kv_manager,
@@ -131,11 +123,17 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,
-            self.logits_pipeline,
+            self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            vocab_size=self.hf_config.vocab_size,
         )
-        self._states: dict[str, _RequestState] = {}
-        self._groups: dict[str, SampleGroup] = {}  # parallel sampling, by parent id
-        self._child_to_group: dict[str, tuple[str, int]] = {}
+        # The step's slots for the plugin kinds built on it (ember.step): a speculator
+        # proposes draft tokens per decoding request, a token masker gives allowed-token
+        # masks. Unset until those plugins exist; tests set fakes.
+        self.speculator = None
+        self.token_masker = None
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # parallel sampling: groups whose siblings wait for the first child's prompt
+        self._pending_groups: dict[str, SampleGroup] = {}
         self._counter = itertools.count()
         self.last_step_stats: StepStats | None = None
         logger.info(
@@ -147,6 +145,24 @@ class LLMEngine:
     @property
     def num_kv_cache_tokens(self) -> int:
         return self.kv_manager.num_blocks * self.kv_manager.block_size
+
+    @torch.inference_mode()
+    def _profile_forward(self, attention, num_tokens: int, block_size: int, max_num_seqs: int) -> None:
+        """One forward pass over ``num_tokens`` dummy tokens (one sequence: prefill
+        attention's peak), with logits for ``max_num_seqs`` rows, into a throwaway cache."""
+        spec = self.model.kv_cache_spec
+        num_blocks = -(-num_tokens // block_size)
+        caches = [
+            torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=self.kv_dtype,
+                        device=self.backend.device)
+            for _ in range(spec.num_layers)
+        ]
+        device = self.backend.device
+        batch = AttentionBatch.from_slices([SequenceSlice(num_tokens, 0, list(range(num_blocks)))], block_size, device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=device), caches, attention.prepare(batch))
+        self.model.compute_logits(hidden[-min(max_num_seqs, num_tokens):])
+        self.backend.synchronize()
 
     def _kv_cache_spec_before_loading(self, attention, architectures) -> KVCacheSpec:
         """The model's KV shape from its config alone: the model built on the meta device."""
@@ -198,207 +214,172 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        validated: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
         """Queue a request; it joins the running batch at the next step.
 
         ``priority``: lower is scheduled first and preempted last; equal priorities
         are first come, first served. Raises ValueError as :meth:`validate_request`
-        does, and for a priority that is not an integer.
+        does, and for a priority that is not an integer. ``validated``: the caller
+        already ran :meth:`validate_request` on exactly these ids and params (the
+        async engine does, in the request's thread), so it is not run twice.
         """
         check_priority(priority)  # before any state: a group would be half-registered
-        prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
+        if not validated:
+            prompt_token_ids = self.validate_request(prompt, params, prompt_token_ids)
         request_id = request_id or f"req-{next(self._counter)}"
-        if request_id in self._groups or request_id in self._states:
+        if request_id in self.output_processor or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.num_samples > 1:
             return self._add_group(request_id, prompt, prompt_token_ids, params, priority)
-        return self._add_single(request_id, prompt, prompt_token_ids, params, priority)
+        return self._add_single(request_id, prompt, prompt_token_ids, params, priority, output_kind)
 
     def _add_single(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
-        request = Request(
+        self._add_core(request_id, prompt, prompt_token_ids, params, priority)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, kind)
+        return request_id
+
+    def _add_core(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
+        self.scheduler.add_request(Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             prompt=prompt,
             priority=priority,
-        )
-        self.scheduler.add_request(request)
-        self._states[request_id] = _RequestState(
-            request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        )
-        return request_id
+        ))
 
     def _add_group(
         self, parent_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int
     ) -> str:
         group = SampleGroup(parent_id, prompt, prompt_token_ids, params, priority)
-        self._groups[parent_id] = group
-        for index, cid in enumerate(group.child_ids()):
-            self._child_to_group[cid] = (parent_id, index)
-        self._add_single(group.child_ids()[0], prompt, prompt_token_ids, child_params(params, 0), priority)
+        self.output_processor.add_group(group, [child_params(params, i) for i in range(group.num_samples)])
+        self._add_core(group.child_ids()[0], prompt, prompt_token_ids, child_params(params, 0), priority)
         group.pending = list(range(1, group.num_samples))
+        self._pending_groups[parent_id] = group
         if not self.kv_manager.enable_prefix_caching:
             self._admit_siblings(group)  # nothing to share: no reason to wait
         return parent_id
 
     def _admit_siblings(self, group: SampleGroup) -> None:
         for index in group.pending:
-            self._add_single(
+            self._add_core(
                 child_id(group.parent_id, index), group.prompt, group.prompt_token_ids,
                 child_params(group.params, index), group.priority,
             )
         group.pending = []
+        self._pending_groups.pop(group.parent_id, None)
 
     def _admit_ready_siblings(self) -> None:
         """Siblings join once the first child computed the prompt (its full blocks are cached)."""
-        for group in self._groups.values():
-            if not group.pending:
-                continue
+        for group in list(self._pending_groups.values()):
             first = self.scheduler.requests.get(child_id(group.parent_id, 0))
             if first is None or first.num_computed_tokens >= len(group.prompt_token_ids):
                 self._admit_siblings(group)
 
     def abort_request(self, request_id: str) -> bool:
-        group = self._groups.pop(request_id, None)
+        group = self._pending_groups.pop(request_id, None)
         if group is not None:
             group.pending = []
-            aborted = False
-            for cid in group.child_ids():
-                self._child_to_group.pop(cid, None)
-                aborted = self._abort_single(cid) or aborted
-            return aborted
-        return self._abort_single(request_id)
+        aborted = False
+        for rid in self.output_processor.abort(request_id):
+            aborted = self._finish_core(rid, RequestStatus.FINISHED_ABORTED) or aborted
+        return aborted
 
     def abort_all(self) -> None:
         """Abort every request, parallel-sampling groups (and their pending siblings) included."""
-        for parent_id in list(self._groups):
+        for parent_id in list(self._pending_groups):
             self.abort_request(parent_id)
         for request_id in list(self.scheduler.requests):
             self.abort_request(request_id)
+            self._finish_core(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def _abort_single(self, request_id: str) -> bool:
-        aborted = self.scheduler.abort_request(request_id)
-        state = self._states.pop(request_id, None)
-        if state is not None:
-            self._notify_finished(state.request)
-        return aborted
+    def _finish_core(self, request_id: str, status: RequestStatus) -> bool:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or not self.scheduler.finish_request(request_id, status):
+            return False
+        self._notify_finished(request)
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or any(g.pending for g in self._groups.values())
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_groups)
 
     # -- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that changed.
+        """Run one engine-core step and turn its outputs into the callers' outputs
+        (the output processor); a stop string found there finishes the request.
 
         `last_step_stats` describes the step afterwards (duration, prefill/decode tokens)."""
+        outputs, stopped = self.output_processor.process(self.core_step())
+        for request_id in stopped:
+            self._finish_core(request_id, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def core_step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and report what is new for each request
+        that changed (plain values: see ember.output_processor.EngineCoreOutput)."""
         started_at = time.perf_counter()
+        if self.speculator is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
+        if self.token_masker is not None:
+            scheduler_output = self._add_masks(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.last_step_stats = record_step(scheduler_output, updates, started_at)
-        outputs: list[RequestOutput] = []
+        self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
+        outputs: list[EngineCoreOutput] = []
+        prompt_lps = runner_output.prompt_logprobs or []
+        prompt_lps_of = dict(zip(runner_output.request_ids, prompt_lps))
         for update in updates:
             request = update.request
-            state = self._states.get(request.request_id)
-            if state is None:
-                continue
-            if not update.new_token_ids and not request.is_finished:
-                continue
-            detokenize_started = time.perf_counter()
-            new_text = self._update_text(state, update.new_token_ids)
-            request.metrics.detokenize_time += time.perf_counter() - detokenize_started
+            new_ids = update.new_token_ids
+            n = len(new_ids)
+            params = request.sampling_params
+            outputs.append(EngineCoreOutput(
+                request.request_id, new_ids, request.output_logprobs[len(request.output_logprobs) - n :] if n else [],
+                request.output_top_logprobs[len(request.output_top_logprobs) - n :] if n and params.logprobs is not None else [],
+                self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)),
+                request.finish_reason, request.stop_token_id, request.metrics.copy(),
+            ))
             if request.is_finished:
-                del self._states[request.request_id]
                 self._notify_finished(request)
-            outputs.append(self._make_output(request, state, update.new_token_ids, new_text))
-        if self._groups:
-            outputs = [self._to_parent(out) for out in outputs]
+        if self._pending_groups:
             self._admit_ready_siblings()
         return outputs
 
-    def _to_parent(self, out: RequestOutput) -> RequestOutput:
-        """A child's output, as an output of its group (parallel sampling)."""
-        link = self._child_to_group.get(out.request_id)
-        if link is None:
-            return out
-        parent_id, index = link
-        group = self._groups[parent_id]
-        merged = group.merge(index, out)
-        if group.is_finished:
-            del self._groups[parent_id]
-            for cid in group.child_ids():
-                self._child_to_group.pop(cid, None)
-        return merged
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, step_entries) -> list:
+        if not step_entries or request.sampling_params.prompt_logprobs is None:
+            return []
+        sent = request.num_prompt_logprobs_sent
+        request.num_prompt_logprobs_sent = len(request.prompt_logprobs)
+        return request.prompt_logprobs[sent:]
 
-    def _update_text(self, state: _RequestState, new_token_ids: list[int]) -> str:
-        """Detokenize, apply stop strings, and return the text that is safe to stream.
+    def _propose_drafts(self) -> None:
+        for request in self.scheduler.running:
+            if request.num_computed_tokens == request.num_tokens - 1:  # decoding
+                request.draft_token_ids = list(
+                    self.speculator.propose(request.request_id, request.prompt_token_ids, request.output_token_ids)
+                )
 
-        While a request runs, the last ``len(longest stop) - 1`` characters are held
-        back (they may begin a stop string), so streamed pieces always concatenate to
-        the final text.
-        """
-        request = state.request
-        params = request.sampling_params
-        detok = state.detokenizer
-        checked = len(state.text)
-        if new_token_ids:
-            detok.add_tokens(new_token_ids)
-        if request.is_finished:
-            detok.flush()
-        state.text = detok.text if request.stop_string is None else state.text
-        if params.stop and request.stop_string is None:
-            longest = max(len(s) for s in params.stop)
-            hit = find_stop_string(state.text, params.stop, max(0, checked - longest + 1))
-            if hit is not None:
-                index, stop = hit
-                state.text = state.text[: index + len(stop) if params.include_stop_str_in_output else index]
-                request.stop_string = stop
-                if not request.is_finished:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        safe = len(state.text)
-        if params.stop and not request.is_finished:
-            safe = max(state.num_emitted_chars, safe - (max(len(s) for s in params.stop) - 1))
-        piece = state.text[state.num_emitted_chars : safe]
-        state.num_emitted_chars = safe
-        return piece
-
-    def _make_output(self, request: Request, state: _RequestState, new_ids: list[int], new_text: str) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_string if request.stop_string is not None else request.stop_token_id,
-            token_logprobs=list(request.output_logprobs),
-            logprobs=self._logprobs(state) if request.sampling_params.logprobs is not None else None,
-        )
-        prompt_logprobs = None
-        if request.sampling_params.prompt_logprobs is not None:
-            for entry in request.prompt_logprobs[len(state.prompt_logprobs) - 1 :]:
-                state.prompt_logprobs.append(to_logprob_dict(entry, self._decode_token))
-            prompt_logprobs = list(state.prompt_logprobs)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            new_token_ids=list(new_ids),
-            new_text=new_text,
-            prompt_logprobs=prompt_logprobs,
-            metrics=request.metrics.copy(),
-        )
-
-    def _logprobs(self, state: _RequestState) -> list[dict[int, Logprob]]:
-        for entry in state.request.output_top_logprobs[len(state.logprobs) :]:
-            state.logprobs.append(to_logprob_dict(entry, self._decode_token))
-        return list(state.logprobs)
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _add_masks(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        masks: dict[str, torch.Tensor] = {}
+        for request_id in scheduler_output.sampling_request_ids:
+            request = self.scheduler.requests[request_id]
+            num_positions = 1 + len(scheduler_output.draft_token_ids.get(request_id, ()))
+            mask = self.token_masker.allowed_tokens(
+                request_id, request.prompt_token_ids, request.output_token_ids, num_positions
+            )
+            if mask is not None:
+                masks[request_id] = mask
+        return replace(scheduler_output, allowed_token_masks=masks)
 
     def _notify_finished(self, request: Request) -> None:
         self.plugin_manager.hook.ember_request_finished(

@@ -1,20 +1,27 @@
-"""Run one scheduled step: build the flat batch, forward, sample."""
+"""Run one scheduled step: update the persistent batch from the step's deltas, gather
+the flat batch, forward, mask, sample and verify drafts.
+
+The runner shares no mutable state with the scheduler: it reads an
+`ember.step.SchedulerOutput` and returns an `ember.step.ModelRunnerOutput`, keeping
+its own copy of every request in an :class:`ember.input_batch.InputBatch`.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.backend import AttentionBatch, BaseAttention, BaseBackend
+from ember.input_batch import InputBatch, RunnerRequest
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import SamplingRow
 from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.models.base import BaseCausalLM
 from ember.sampler import Sampler
-from ember.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ember.step import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the logits pipeline and the sampler.
+    """Owns the model, the KV cache tensors, the persistent batch and the sampler.
 
     The KV cache is one tensor per layer, ``(2, num_blocks, block_size, num_kv_heads,
     head_dim)`` in the model's storage dtype, allocated once.
@@ -30,6 +37,9 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         seed: int | None = None,
         logits_pipeline: LogitsPipeline | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -40,76 +50,141 @@ class ModelRunner:
             torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=backend.device)
             for _ in range(spec.num_layers)
         ]
+        max_model_len = max_model_len or num_blocks * block_size
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, backend.device)
         self.logits_pipeline = logits_pipeline or LogitsPipeline([])
-        self.sampler = Sampler(seed, greedy_op=backend.greedy_op())
+        self.sampler = Sampler(vocab_size, seed, greedy_op=backend.greedy_op(), pipeline=self.logits_pipeline)
+
+    def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.batch
+        for request_id in scheduler_output.finished_request_ids:
+            batch.remove(request_id)
+            self.sampler.remove_request(request_id)
+        for request_id in scheduler_output.preempted_request_ids:
+            batch.remove(request_id)  # back as a NewRequest; processors keep their state
+        for new in scheduler_output.new_requests:
+            batch.add(new)
+        for cached in scheduler_output.cached_requests:
+            batch.update(cached)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in scheduler_output.finished_request_ids:
-            self.sampler.free(request_id)
-            self.logits_pipeline.remove_request(request_id)
-        scheduled = scheduler_output.scheduled
-        if not scheduled:
+        self._update_batch(scheduler_output)
+        if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
+        batch = self.batch
         device = self.backend.device
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slices: list[SequenceSlice] = []
-        sample_rows: list[int] = []
-        sampling: list[SamplingRow] = []
-        # (index in `scheduled`, first flat row, number of rows) of prompt-logprob spans
+        drafts = scheduler_output.draft_token_ids
+        requests: list[RunnerRequest] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []  # flat rows whose logits are sampled
+        rows: list[SamplingRow] = []
+        # per request: (first index in sample_rows, number of sampled positions)
+        sample_spans: list[tuple[int, int]] = []
+        # (index in requests, first flat row, number of rows) of prompt-logprob spans
         prompt_spans: list[tuple[int, int, int]] = []
-        for index, item in enumerate(scheduled):
-            if item.is_prefill and item.request.sampling_params.prompt_logprobs is not None:
+        num_flat = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = batch.requests[request_id]
+            start = request.num_computed_tokens
+            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 # row p predicts token p + 1; the row after the prompt's last token
                 # predicts the first generated one, not a prompt token
-                num_rows = min(item.num_tokens, item.request.num_prompt_tokens - 1 - item.start_position)
-                if num_rows > 0:
-                    prompt_spans.append((index, len(input_ids), num_rows))
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + item.num_tokens))
-            slices.append(SequenceSlice(item.num_tokens, item.start_position, item.block_table))
-            if item.needs_sample:
-                request = item.request
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(
-                    SamplingRow(
-                        request.request_id, request.sampling_params, request.prompt_token_ids,
-                        request.output_token_ids, request.eos_token_ids,
-                    )
+                num_rows = min(num_tokens, request.num_prompt_tokens - 1 - start)
+                prompt_spans.append((len(requests), num_flat, num_rows))
+            draft = drafts.get(request_id, ())
+            batch.set_drafts(request, draft)
+            if request_id in scheduler_output.sampling_request_ids:
+                num_positions = len(draft) + 1
+                sample_spans.append((len(sample_rows), num_positions))
+                first = num_flat + num_tokens - num_positions
+                sample_rows.extend(range(first, first + num_positions))
+                rows.append(SamplingRow(
+                    request_id, request.params, request.prompt_token_ids, request.output_token_ids,
+                    request.eos_token_ids,
+                ))
+                # a draft position samples as if the drafts before it were accepted
+                rows.extend(
+                    SamplingRow(request_id, request.params, request.prompt_token_ids,
+                                request.output_token_ids + list(draft[:j]), request.eos_token_ids)
+                    for j in range(1, num_positions)
                 )
-        metadata = self.attention.prepare(slices, self.block_size, device)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.kv_caches,
-            metadata,
-        )
+            else:
+                sample_spans.append((len(sample_rows), 0))
+            requests.append(request)
+            query_lens.append(num_tokens)
+            num_flat += num_tokens
+        input_ids, positions, slots, block_table = batch.gather(requests, query_lens)
+        metadata = self.attention.prepare(AttentionBatch(
+            query_lens, [r.num_computed_tokens for r in requests], block_table, slots, self.block_size,
+        ))
+        hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
         token_ids: list[int] = []
         logprobs: list[float] = []
         top: list[PositionLogprobs | None] = []
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-            # The pipeline may change the logits in place: they are this step's own.
-            processed = self.logits_pipeline(logits.cpu(), sampling)
-            sampled = self.sampler(processed, sampling)
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]).float()
+            self._apply_masks(logits, scheduler_output, requests, sample_spans)
+            sampled = self.sampler(logits, rows)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
-            top = self._top_logprobs(processed, sampling, token_ids)
-        ids_iter, lp_iter, top_iter = iter(token_ids), iter(logprobs), iter(top)
-        sampled_top: list[list[PositionLogprobs]] = []
-        for item in scheduled:
-            entry = next(top_iter) if item.needs_sample else None
-            sampled_top.append([entry] if entry is not None else [])
-        prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in scheduled]
+            top = self._top_logprobs(sampled.processed, rows, token_ids)
+        out_ids: list[list[int]] = []
+        out_lps: list[list[float]] = []
+        out_top: list[list[PositionLogprobs]] = []
+        num_accepted: list[int] = []
+        for request, (first, num_positions) in zip(requests, sample_spans):
+            if not num_positions:
+                out_ids.append([])
+                out_lps.append([])
+                out_top.append([])
+                num_accepted.append(0)
+                continue
+            ids = token_ids[first : first + num_positions]
+            # accept drafts while the target model's own choice agrees: each emitted
+            # token is the target's sample given the tokens before it (exact for
+            # greedy; under sampling every emitted token is still the target's draw)
+            accepted = 0
+            for proposed, chosen in zip(request.draft_token_ids, ids):
+                if proposed != chosen:
+                    break
+                accepted += 1
+            emit = accepted + 1
+            batch.append(request, ids[:emit])
+            out_ids.append(ids[:emit])
+            out_lps.append(logprobs[first : first + emit])
+            out_top.append([t for t in top[first : first + emit] if t is not None])
+            num_accepted.append(accepted)
+        prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in requests]
         for index, first_row, num_rows in prompt_spans:
-            prompt_logprobs[index] = self._prompt_logprobs(hidden, scheduled[index], first_row, num_rows)
+            prompt_logprobs[index] = self._prompt_logprobs(hidden, requests[index], first_row, num_rows)
         return ModelRunnerOutput(
-            request_ids=[item.request_id for item in scheduled],
-            sampled_token_ids=[[next(ids_iter)] if item.needs_sample else [] for item in scheduled],
-            sampled_logprobs=[[next(lp_iter)] if item.needs_sample else [] for item in scheduled],
-            sampled_top_logprobs=sampled_top,
+            request_ids=[r.request_id for r in requests],
+            sampled_token_ids=out_ids,
+            sampled_logprobs=out_lps,
+            sampled_top_logprobs=out_top,
             prompt_logprobs=prompt_logprobs,
+            num_accepted=num_accepted,
         )
+
+    @staticmethod
+    def _apply_masks(
+        logits: torch.Tensor, scheduler_output: SchedulerOutput, requests: list[RunnerRequest],
+        sample_spans: list[tuple[int, int]],
+    ) -> None:
+        """Ban, in place, the tokens each request's allowed-token mask leaves out."""
+        masks = scheduler_output.allowed_token_masks
+        if not masks:
+            return
+        for request, (first, num_positions) in zip(requests, sample_spans):
+            mask = masks.get(request.request_id)
+            if mask is None or not num_positions:
+                continue
+            if mask.dtype != torch.bool or mask.shape[-1] != logits.shape[-1] or mask.shape[0] < num_positions:
+                raise ValueError(
+                    f"allowed-token mask of {request.request_id!r} must be bool (positions >= {num_positions}, "
+                    f"{logits.shape[-1]}), got {mask.dtype} {tuple(mask.shape)}"
+                )
+            logits[first : first + num_positions].masked_fill_(~mask[:num_positions].to(logits.device), float("-inf"))
 
     @staticmethod
     def _top_logprobs(
@@ -119,9 +194,9 @@ class ModelRunner:
         asking = [i for i, row in enumerate(sampling) if row.params.logprobs is not None]
         out: list[PositionLogprobs | None] = [None] * len(sampling)
         if asking:
-            index = torch.tensor(asking, dtype=torch.int64)
+            index = torch.tensor(asking, dtype=torch.int64, device=processed.device)
             entries = compute_position_logprobs(
-                processed.index_select(0, index), [token_ids[i] for i in asking],
+                processed.index_select(0, index).float().cpu(), [token_ids[i] for i in asking],
                 [sampling[i].params.logprobs for i in asking],
             )
             for i, entry in zip(asking, entries):
@@ -129,17 +204,17 @@ class ModelRunner:
         return out
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, item: ScheduledRequest, first_row: int, num_rows: int, chunk: int = 512
+        self, hidden: torch.Tensor, request: RunnerRequest, first_row: int, num_rows: int, chunk: int = 512
     ) -> list[PositionLogprobs]:
         """Raw log-softmax at the prompt rows of one request, ``chunk`` rows of
         logits at a time (a long prompt's full-vocabulary logits would be large)."""
-        request = item.request
-        num_top = request.sampling_params.prompt_logprobs
+        num_top = request.params.prompt_logprobs
         out: list[PositionLogprobs] = []
         for offset in range(0, num_rows, chunk):
             n = min(chunk, num_rows - offset)
             logits = self.model.compute_logits(hidden[first_row + offset : first_row + offset + n]).float().cpu()
-            start = item.start_position + offset + 1
+            start = request.num_computed_tokens + offset + 1
             targets = request.prompt_token_ids[start : start + n]
             out.extend(compute_position_logprobs(logits, targets, [num_top] * n))
         return out
+

@@ -1,4 +1,5 @@
-"""A request as the scheduler and runner see it: plain, mutable, per-request hot data."""
+"""A request as the engine core and its scheduler see it: plain, mutable, per-request
+hot data. It never crosses to the model runner (ember.step carries values)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class Request:
     output_top_logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # block ids the model runner holds of it (-1: not in the runner's batch), so each
+    # step sends only the new ones
+    num_blocks_in_runner: int = -1
+    # tokens a speculator proposed to verify at the next step (the step contract's slot)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs_sent: int = 0  # prompt_logprobs entries reported so far
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None
     stop_string: str | None = None

@@ -4,9 +4,10 @@ Each step, every running request is given the tokens it has not computed yet
 (one, for a request that is decoding), then waiting requests join first come,
 first served within a priority level (lower `priority` first), while the step's
 token budget, the running-request cap and the KV pool allow. The contract with
-the model runner is two dataclasses: `SchedulerOutput` (what to compute) and
-`ModelRunnerOutput` (what was sampled), so this module is tested with hand-built
-outputs and no model.
+the model runner is two plain values (ember.step): `SchedulerOutput` (what to
+compute: new requests in full, then per-step deltas) and `ModelRunnerOutput` (what
+was sampled), so this module is tested with hand-built outputs and no model, and a
+runner may live in another process.
 
 Admission asks only for the blocks of the tokens computed in this step, so the
 pool is used by as many requests as it can hold. When a running request needs a
@@ -29,56 +30,20 @@ from dataclasses import dataclass
 
 from ember.config import SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
-from ember.logprobs import PositionLogprobs
 from ember.request import Request, RequestStatus, check_priority
+from ember.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
+
+__all__ = ["ModelRunnerOutput", "RequestUpdate", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions `start_position ...`."""
+class ScheduledItem:
+    """Engine-side record of one request's share of a step (for stats; never sent to the runner)."""
 
     request: Request
-    token_ids: list[int]
+    num_tokens: int
     start_position: int
-    block_table: list[int]
     is_prefill: bool
-    needs_sample: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    total_num_scheduled_tokens: int
-    # Requests that finished or were aborted since the last step; the runner
-    # drops any per-request state it keeps for them.
-    finished_request_ids: frozenset[str] = frozenset()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    """Per scheduled request (same order as `SchedulerOutput.scheduled`): sampled ids."""
-
-    request_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    # log-probability of each sampled token (same shape); empty lists when unknown
-    sampled_logprobs: list[list[float]] | None = None
-    # Only for requests whose params ask (empty lists otherwise): each sampled token's
-    # rank and alternatives (same shape as sampled_token_ids), and the prompt
-    # positions this step computed (the logprob of prompt token p + 1 at row p).
-    sampled_top_logprobs: list[list[PositionLogprobs]] | None = None
-    prompt_logprobs: list[list[PositionLogprobs]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +73,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        # each step's (request, tokens, start, is_prefill), for stats
+        self.last_scheduled: list[ScheduledItem] = []
         self._arrivals = itertools.count()
         self.num_preemptions = 0
 
@@ -178,7 +146,7 @@ class Scheduler:
         index = max(range(len(self.running)), key=lambda i: (self.running[i].priority, i))
         return self.running[index]
 
-    def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _preempt(self, request: Request, scheduled: dict[str, int]) -> int:
         """Free the request's blocks and queue it to be recomputed. Returns the step
         tokens given back (it may already have been scheduled this step)."""
         self.running.remove(request)
@@ -186,10 +154,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.draft_token_ids = []
         self.num_preemptions += 1
+        if request.num_blocks_in_runner >= 0:
+            self._preempted_ids.add(request.request_id)
+            request.num_blocks_in_runner = -1
         bisect.insort(self.waiting, request, key=_queue_order)
-        item = scheduled.pop(request.request_id, None)
-        return item.num_tokens if item is not None else 0
+        return scheduled.pop(request.request_id, 0)
 
     # -- the step ------------------------------------------------------------
     def _chunk(self, num_new: int, budget: int) -> int:
@@ -198,9 +169,23 @@ class Scheduler:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
 
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Draft tokens of a decoding request that fit this step: the budget, the
+        context and max_tokens (a draft past the last token it may emit is wasted)."""
+        if not request.draft_token_ids:
+            return 0
+        room = min(
+            budget - 1,
+            self.config.max_model_len - request.num_tokens,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
+        num = max(0, min(len(request.draft_token_ids), room))
+        del request.draft_token_ids[num:]
+        return num
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}  # in scheduling order
+        scheduled: dict[str, int] = {}  # request id -> tokens, in scheduling order
         preempted_for_blocks = False
 
         # Decodes first, then prompts (or preempted requests) being computed in chunks:
@@ -213,6 +198,10 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            if num_new == 1:
+                num_new += self._num_drafts(request, budget)
+            else:
+                request.draft_token_ids = []
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self._victim()
                 preempted_for_blocks = True
@@ -221,7 +210,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            scheduled[request.request_id] = self._make_scheduled(request, num_new)
+            scheduled[request.request_id] = num_new
             budget -= num_new
 
         # New (or preempted) requests join while nothing had to be preempted for
@@ -249,17 +238,53 @@ class Scheduler:
             if self.kv.enable_prefix_caching and not request.num_preemptions:
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
+            request.draft_token_ids = []
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = self._make_scheduled(request, num_new)
+            scheduled[request.request_id] = num_new
             budget -= num_new
+        return self._make_output(scheduled)
 
+    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        """The step as a value: requests new to the runner in full, the others as deltas."""
+        new: list[NewRequest] = []
+        cached: list[CachedRequest] = []
+        sampling: list[str] = []
+        drafts: dict[str, list[int]] = {}
+        items: list[ScheduledItem] = []
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            table = self.kv.get_block_table(request_id)
+            if request.num_blocks_in_runner < 0:
+                new.append(NewRequest(
+                    request_id, request.prompt_token_ids, list(request.output_token_ids), request.sampling_params,
+                    request.eos_token_ids, list(table), start,
+                ))
+            else:
+                cached.append(CachedRequest(request_id, table[request.num_blocks_in_runner :], start))
+            request.num_blocks_in_runner = len(table)
+            num_drafts = len(request.draft_token_ids)
+            if num_drafts:
+                drafts[request_id] = list(request.draft_token_ids)
+            if start + num_new - num_drafts == request.num_tokens:
+                sampling.append(request_id)
+            # prompt tokens, or several tokens at once (a preempted request recomputing)
+            is_prefill = start < request.num_prompt_tokens or num_new - num_drafts > 1
+            items.append(ScheduledItem(request, num_new, start, is_prefill))
+        self.last_scheduled = items
         finished, self._finished_ids = frozenset(self._finished_ids), set()
+        preempted, self._preempted_ids = frozenset(self._preempted_ids), set()
         return SchedulerOutput(
-            scheduled=list(scheduled.values()),
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            sampling_request_ids=frozenset(sampling),
+            draft_token_ids=drafts,
             finished_request_ids=finished,
+            preempted_request_ids=preempted,
         )
 
     def _cached_prefix(self, request: Request) -> list[int]:
@@ -273,44 +298,36 @@ class Scheduler:
             return []
         return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids)
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        token_ids = request.all_token_ids[start : start + num_new]
-        return ScheduledRequest(
-            request=request,
-            token_ids=token_ids,
-            start_position=start,
-            block_table=list(self.kv.get_block_table(request.request_id)),
-            # prompt tokens, or several tokens at once (a preempted request recomputing)
-            is_prefill=start < request.num_prompt_tokens or num_new > 1,
-            needs_sample=start + num_new == request.num_tokens,
-        )
-
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish stopped requests."""
+        """Advance computed counts (by the accepted draft tokens only), append sampled
+        tokens, finish stopped requests."""
         updates: list[RequestUpdate] = []
         none = [[] for _ in runner_output.sampled_token_ids]
         logprobs = runner_output.sampled_logprobs or none
         top = runner_output.sampled_top_logprobs or none
         prompt_lps = runner_output.prompt_logprobs or none
-        for item, sampled, sampled_lp, sampled_top, prompt_lp in zip(
-            scheduler_output.scheduled, runner_output.sampled_token_ids, logprobs, top, prompt_lps
+        accepted = runner_output.num_accepted or [0] * len(none)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, sampled, sampled_lp, sampled_top, prompt_lp, num_accepted in zip(
+            runner_output.request_ids, runner_output.sampled_token_ids, logprobs, top, prompt_lps, accepted
         ):
-            request = item.request
-            if request.is_finished:  # aborted while the step ran
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += item.num_tokens
-            if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
-                # all_token_ids copies the sequence: only when a block just filled up
-                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            start = request.num_computed_tokens
+            num_drafts = len(scheduler_output.draft_token_ids.get(request_id, ()))
+            # rejected drafts are not computed: their slots are overwritten next step
+            request.num_computed_tokens += num_scheduled[request_id] - num_drafts + num_accepted
+            request.draft_token_ids = []
             if prompt_lp:
                 # a preempted request recomputes prompt positions it already has
                 # logprobs for: keep the first ones (entry p is at position p)
-                have = len(request.prompt_logprobs) - item.start_position
+                have = len(request.prompt_logprobs) - start
                 request.prompt_logprobs.extend(prompt_lp[max(0, have):])
             new_ids: list[int] = []
+            status = None
             for k, token_id in enumerate(sampled):
                 request.output_token_ids.append(token_id)
                 request.output_logprobs.append(sampled_lp[k] if k < len(sampled_lp) else float("nan"))
@@ -319,8 +336,13 @@ class Scheduler:
                 new_ids.append(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
-                    self._finish(request, status)
                     break
+            num_known = min(request.num_computed_tokens, request.num_tokens)  # a stop may cut accepted drafts
+            if self.kv.has_uncached_full_blocks(request_id, num_known):
+                # all_token_ids copies the sequence: only when a block just filled up
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known)
+            if status is not None:
+                self._finish(request, status)
             updates.append(RequestUpdate(request, new_ids))
         return updates
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ember.scheduler import RequestUpdate, SchedulerOutput
+    from ember.scheduler import RequestUpdate, ScheduledItem
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class StepStats:
         return "decode" if self.num_decode_tokens else "empty"
 
 
-def record_step(scheduler_output: SchedulerOutput, updates: list[RequestUpdate], started_at: float) -> StepStats:
+def record_step(scheduled: list[ScheduledItem], updates: list[RequestUpdate], started_at: float) -> StepStats:
     """Stamp the requests of one step (first scheduled, tokens, finished) and describe the step.
 
     ``started_at`` is the ``time.perf_counter()`` taken before the step was scheduled.
@@ -64,17 +64,17 @@ def record_step(scheduler_output: SchedulerOutput, updates: list[RequestUpdate],
     duration = time.perf_counter() - started_at
     now = time.time()
     num_prefill_tokens = num_decode_tokens = num_prefill = num_decode = 0
-    for scheduled in scheduler_output.scheduled:
-        metrics = scheduled.request.metrics
+    for item in scheduled:
+        metrics = item.request.metrics
         if metrics.first_scheduled_time is None:
             # the step began `duration` ago; the request was scheduled then
             metrics.first_scheduled_time = now - duration
-            metrics.num_cached_tokens = scheduled.start_position if scheduled.is_prefill else 0
-        if scheduled.is_prefill:
-            num_prefill_tokens += scheduled.num_tokens
+            metrics.num_cached_tokens = item.start_position if item.is_prefill else 0
+        if item.is_prefill:
+            num_prefill_tokens += item.num_tokens
             num_prefill += 1
         else:
-            num_decode_tokens += scheduled.num_tokens
+            num_decode_tokens += item.num_tokens
             num_decode += 1
     for update in updates:
         metrics = update.request.metrics

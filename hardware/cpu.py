@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.hardware import cpu_kernels
 from ember.plugin import hookimpl
 
@@ -69,40 +69,30 @@ class CPUAttention(BaseAttention):
     def __init__(self, kernels=None) -> None:
         self.kernels = kernels
 
-    def prepare(self, slices: list[SequenceSlice], block_size: int, device: torch.device) -> CPUAttentionMetadata:
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+    def prepare(self, batch: AttentionBatch) -> CPUAttentionMetadata:
+        device, block_size = batch.device, batch.block_size
+        decode_rows: list[int] = []  # flat rows of the decodes
+        decode_requests: list[int] = []  # their request indices
         prefills: list[PrefillGroup] = []
         row = 0
-        for s in slices:
-            table = s.block_table
-            positions = range(s.start_position, s.context_len)
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in positions)
-            if s.num_query_tokens == 1 and s.start_position > 0:
+        for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
+            if num_query == 1 and start > 0:
                 decode_rows.append(row)
-                decode_tables.append(table[: -(-s.context_len // block_size)])
-                decode_lens.append(s.context_len)
+                decode_requests.append(i)
             else:
-                context = None
-                if s.start_position > 0:
-                    context = torch.tensor(
-                        [table[p // block_size] * block_size + p % block_size for p in range(s.context_len)],
-                        dtype=torch.int64,
-                    )
-                prefills.append(PrefillGroup(row, row + s.num_query_tokens, s.start_position, context))
-            row += s.num_query_tokens
+                context = batch.context_slots(i) if start > 0 else None
+                prefills.append(PrefillGroup(row, row + num_query, start, context))
+            row += num_query
         decode_index = decode_bt = lens = None
         if decode_rows:
-            max_blocks = max(len(t) for t in decode_tables)
+            all_decode = len(decode_rows) == batch.num_requests
+            lens = torch.tensor([batch.start_positions[i] + 1 for i in decode_requests], dtype=torch.int64, device=device)
+            max_blocks = -(-int(lens.max()) // block_size)
+            tables = batch.block_table if all_decode else batch.block_table[decode_requests]
+            decode_bt = tables[:, :max_blocks].reshape(-1)
             decode_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-            decode_bt = torch.tensor(
-                [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))], dtype=torch.int64, device=device
-            )
-            lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
         metadata = CPUAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=batch.slot_mapping,
             decode_token_index=decode_index,
             decode_block_ids=decode_bt,
             decode_lens=lens,
@@ -179,6 +169,27 @@ class CPUAttention(BaseAttention):
                 )
                 out[rows] = o.reshape(n, -1, head_dim)
         return out
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes(field: str) -> int | None:
+    """VmRSS / VmHWM of this process from /proc/self/status, in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,11 +343,23 @@ class CPUBackend(BaseBackend):
         # layer of every step cost more than the memory it saved.
         return self.compute_dtype(dtype)
 
-    def kv_cache_memory_bytes(self, model_bytes: int) -> int:
-        # A quarter of the RAM still available (weights are loaded by now), capped at
-        # 2 GiB: the CPU shares memory with everything else on the host, and the
-        # cache is zeroed at start.
-        return int(max(256 << 20, min(2 << 30, available_memory_bytes() // 4)))
+    def kv_cache_memory_bytes(self, model_bytes: int, activation_bytes: int = 0) -> int:
+        # A quarter of the RAM still available (weights are loaded by now) once the
+        # largest step's activations are set aside, capped at 2 GiB: the CPU shares
+        # memory with everything else on the host, and the cache is zeroed at start.
+        free = max(0, available_memory_bytes() - activation_bytes)
+        return int(max(256 << 20, min(2 << 30, free // 4)))
+
+    def peak_memory_of(self, run) -> int | None:
+        # The process's resident-set peak (VmHWM), reset first through clear_refs
+        # (Linux); None where /proc does not allow it.
+        if not _reset_peak_rss():
+            run()
+            return None
+        before = _rss_bytes("VmRSS")
+        run()
+        peak = _rss_bytes("VmHWM")
+        return None if before is None or peak is None else max(0, peak - before)
 
     def configure_threads(self, num_threads: int | None) -> int:
         # PyTorch's default is every core of the host: in a container limited to 2

@@ -49,8 +49,9 @@ class NonCausalPrefill(CPUAttention):
 class DecodeSeesWholeTable(CPUAttention):
     """Decodes attend to every slot of their block tables, past the context too."""
 
-    def prepare(self, slices, block_size, device):
-        metadata = super().prepare(slices, block_size, device)
+    def prepare(self, batch):
+        metadata = super().prepare(batch)
+        block_size = batch.block_size
         if metadata.decode_lens is not None:
             whole = metadata.decode_block_ids.numel() // metadata.decode_lens.numel() * block_size
             metadata.decode_lens = torch.full_like(metadata.decode_lens, whole)

@@ -203,7 +203,7 @@ def test_small_batch_linear_uses_the_copy_only_for_its_own_weight_and_few_rows(k
 
 
 def _logits(engine, token_ids: list[list[int]]) -> torch.Tensor:
-    from ember.backend import SequenceSlice
+    from ember.backend import AttentionBatch, SequenceSlice
 
     runner = engine.runner
     slices, ids, positions = [], [], []
@@ -212,7 +212,7 @@ def _logits(engine, token_ids: list[list[int]]) -> torch.Tensor:
         slices.append(SequenceSlice(len(tokens), 0, table))
         ids.extend(tokens)
         positions.extend(range(len(tokens)))
-    meta = runner.attention.prepare(slices, runner.block_size, torch.device("cpu"))
+    meta = runner.attention.prepare(AttentionBatch.from_slices(slices, runner.block_size, torch.device("cpu")))
     with torch.inference_mode():
         hidden = engine.model(torch.tensor(ids), torch.tensor(positions), runner.kv_caches, meta)
         return engine.model.compute_logits(hidden)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember import EngineConfig, SamplingParams
-from ember.backend import SequenceSlice
+from ember.backend import AttentionBatch, SequenceSlice
 from ember.engine import LLMEngine
 
 from tiny_models import make_tiny_model
@@ -75,7 +75,9 @@ def _ember_last_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     try:
         with torch.inference_mode():
             for start, chunk in ((0, tokens[:-1]), (len(tokens) - 1, tokens[-1:])):
-                md = runner.attention.prepare([SequenceSlice(len(chunk), start, table)], kv.block_size, torch.device("cpu"))
+                md = runner.attention.prepare(
+                    AttentionBatch.from_slices([SequenceSlice(len(chunk), start, table)], kv.block_size, torch.device("cpu"))
+                )
                 hidden = engine.model(
                     torch.tensor(chunk), torch.arange(start, start + len(chunk)), runner.kv_caches, md
                 )
@@ -136,7 +138,10 @@ def test_chunked_prefill_matches_transformers(tiny):
                 chunked.add_request(None, params, prompt_token_ids=all_prompts[i], request_id=f"c{i}")
         sched_out = chunked.scheduler.schedule()
         assert sched_out.total_num_scheduled_tokens <= 16
-        max_chunks = max(max_chunks, sum(1 for s in sched_out.scheduled if s.is_prefill and not s.needs_sample))
+        max_chunks = max(max_chunks, sum(
+            1 for s in chunked.scheduler.last_scheduled
+            if s.is_prefill and s.request.request_id not in sched_out.sampling_request_ids
+        ))
         runner_out = chunked.runner.execute(sched_out)
         for update in chunked.scheduler.update_from_output(sched_out, runner_out):
             if update.request.is_finished:

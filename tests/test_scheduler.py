@@ -1,5 +1,7 @@
 """The scheduler and KV manager driven by hand-built runner outputs: no model."""
 
+from dataclasses import dataclass
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,8 +12,59 @@ from ember.kv_cache_manager import KVCacheManager
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import ModelRunnerOutput, Scheduler
+from ember.step import SchedulerOutput
 
 EOS = 2
+
+
+@dataclass(frozen=True)
+class Item:
+    """One request's share of a step, as the runner reconstructs it from the deltas."""
+
+    request_id: str
+    num_tokens: int
+    start_position: int
+    block_table: list[int]
+    needs_sample: bool
+    token_ids: list[int]
+    is_prefill: bool
+
+
+def view(sched: Scheduler, out: SchedulerOutput) -> list[Item]:
+    """Apply a step's value to a runner-side mirror (block tables from NewRequest and
+    CachedRequest deltas only) and check it against the scheduler's own tables.
+    Call once per step, right after schedule()."""
+    mirror = sched.__dict__.setdefault("test_mirror", {})
+    seen = sched.__dict__.setdefault("test_seen", set())
+    if id(out) in seen:
+        raise AssertionError("view() applies a step once")
+    for rid in out.finished_request_ids | out.preempted_request_ids:
+        mirror.pop(rid, None)
+    for new in out.new_requests:
+        assert new.request_id not in mirror, f"{new.request_id} sent in full twice"
+        mirror[new.request_id] = (list(new.block_ids), new.num_computed_tokens)
+    for cached in out.cached_requests:
+        table, _ = mirror[cached.request_id]
+        mirror[cached.request_id] = (table + list(cached.new_block_ids), cached.num_computed_tokens)
+    items = []
+    for rid, n in out.num_scheduled_tokens.items():
+        table, start = mirror[rid]
+        request = sched.requests[rid]
+        assert table == sched.kv.get_block_table(rid), (rid, table, sched.kv.get_block_table(rid))
+        assert start == request.num_computed_tokens
+        items.append(Item(
+            rid, n, start, table, rid in out.sampling_request_ids, request.all_token_ids[start : start + n],
+            start < request.num_prompt_tokens or n > 1,
+        ))
+    return Step(items, out)
+
+
+class Step(list):
+    """The items of a step, with the step's value as `.step`."""
+
+    def __init__(self, items, step):
+        super().__init__(items)
+        self.step = step
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False,
@@ -31,22 +84,23 @@ def make_request(rid, prompt_len, max_tokens=4, **params):
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    sampled = [[token] if s.needs_sample else [] for s in out.scheduled]
-    updates = sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled))
-    return out, updates
+    items = view(sched, out)
+    sampled = [[token] if s.needs_sample else [] for s in items]
+    updates = sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in items], sampled))
+    return items, updates
 
 
 def test_prefill_then_decode_one_token_per_step():
     sched = make_scheduler()
     sched.add_request(make_request("a", 5))
     out, _ = run_step(sched)
-    [item] = out.scheduled
+    [item] = out
     assert (item.request_id, item.num_tokens, item.start_position, item.is_prefill) == ("a", 5, 0, True)
     assert item.token_ids == [10, 11, 12, 13, 14]
     assert item.block_table == [0, 1]
-    assert out.total_num_scheduled_tokens == 5
+    assert sum(s.num_tokens for s in out) == 5
     out, _ = run_step(sched)
-    [item] = out.scheduled
+    [item] = out
     assert (item.num_tokens, item.start_position, item.is_prefill) == (1, 5, False)
     assert item.token_ids == [7]
     assert item.block_table == [0, 1]
@@ -58,15 +112,15 @@ def test_new_request_joins_running_batch_and_finished_one_leaves():
     run_step(sched)
     sched.add_request(make_request("b", 6, max_tokens=3))
     out, updates = run_step(sched)
-    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
-    assert out.total_num_scheduled_tokens == 7
+    assert [(s.request_id, s.num_tokens) for s in out] == [("a", 1), ("b", 6)]
+    assert sum(s.num_tokens for s in out) == 7
     a = updates[0].request
     assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7]
     assert sched.kv.get_block_table("a") == []
     assert (len(sched.running), len(sched.waiting)) == (1, 0)
     out, _ = run_step(sched)
-    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("b", 1)]
-    assert out.finished_request_ids == frozenset({"a"})
+    assert [(s.request_id, s.num_tokens) for s in out] == [("b", 1)]
+    assert out.step.finished_request_ids == frozenset({"a"})
 
 
 def test_eos_and_stop_tokens_respect_min_tokens_and_ignore_eos():
@@ -101,12 +155,12 @@ def test_token_budget_and_running_cap_keep_fcfs_order():
         sched.add_request(make_request(rid, n))
     out, _ = run_step(sched)
     # b does not fit the remaining budget of 4; c must wait behind it (FCFS).
-    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [s.request_id for s in out] == ["a"]
     out, _ = run_step(sched)
-    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 5)]
+    assert [(s.request_id, s.num_tokens) for s in out] == [("a", 1), ("b", 5)]
     out, _ = run_step(sched)
     # two running: the cap keeps c waiting
-    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert [s.request_id for s in out] == ["a", "b"]
     assert (len(sched.running), len(sched.waiting)) == (2, 1)
 
 
@@ -116,7 +170,7 @@ def test_request_waits_for_kv_blocks_until_another_finishes():
     for rid in "abc":
         sched.add_request(make_request(rid, 5, max_tokens=3))
     out, _ = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert [s.request_id for s in out] == ["a", "b"]
     assert sched.kv.get_block_table("a") == [0, 1] and sched.kv.get_block_table("b") == [2, 3]
     assert (len(sched.running), len(sched.waiting)) == (2, 1)
     run_step(sched)
@@ -124,7 +178,7 @@ def test_request_waits_for_kv_blocks_until_another_finishes():
     assert len(sched.running) == 0 and sched.kv.num_free_blocks == 4
     out, _ = run_step(sched)
     # freed tail first: a gave back [1, 0], b [3, 2]; c takes the least recently freed
-    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("c", [1, 0])]
+    assert [(s.request_id, s.block_table) for s in out] == [("c", [1, 0])]
 
 
 def test_abort_frees_blocks_at_once():
@@ -163,11 +217,11 @@ def test_prefix_cache_hit_skips_computed_blocks_and_shares_them():
     sched = make_scheduler(prefix_caching=True)
     sched.add_request(make_request("a", 10, max_tokens=5))
     out, _ = run_step(sched)
-    assert out.scheduled[0].num_tokens == 10
+    assert out[0].num_tokens == 10
     a_table = sched.kv.get_block_table("a")
     sched.add_request(make_request("b", 10, max_tokens=2))  # same prompt
     out, _ = run_step(sched)
-    b = [s for s in out.scheduled if s.request_id == "b"][0]
+    b = [s for s in out if s.request_id == "b"][0]
     # 2 full blocks (8 tokens) cached; the last 2 prompt tokens are computed
     assert (b.num_tokens, b.start_position, b.is_prefill) == (2, 8, True)
     assert b.token_ids == [18, 19]
@@ -189,7 +243,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
     steps = []
     while sched.requests.get("long") is not None and not sched.requests["long"].output_token_ids:
         out, _ = run_step(sched)
-        steps.append([(s.request_id, s.num_tokens, s.start_position, s.needs_sample) for s in out.scheduled])
+        steps.append([(s.request_id, s.num_tokens, s.start_position, s.needs_sample) for s in out])
     # every step: the decode first (1 token), then up to 7 prompt tokens of "long"
     assert steps == [
         [("short", 1, 3, True), ("long", 7, 0, False)],
@@ -206,7 +260,7 @@ def test_step_budget_below_the_context_needs_chunked_prefill():
         SchedulerConfig(8, 16, 64, enable_chunked_prefill=False)
     sched = make_scheduler(max_batched=16, max_model_len=64, chunked_prefill=True)
     sched.add_request(make_request("x", 40))  # longer than a step: accepted, prefilled in 3 steps
-    sizes = [run_step(sched)[0].scheduled[0].num_tokens for _ in range(3)]
+    sizes = [run_step(sched)[0][0].num_tokens for _ in range(3)]
     assert sizes == [16, 16, 8]
 
 
@@ -216,32 +270,32 @@ def test_preemption_frees_the_most_recent_request_and_resumes_it_with_its_tokens
     for rid in "abc":
         sched.add_request(make_request(rid, 4, max_tokens=12, ignore_eos=True))
     out, _ = run_step(sched)
-    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0]), ("b", [1]), ("c", [2])]
+    assert [(s.request_id, s.block_table) for s in out] == [("a", [0]), ("b", [1]), ("c", [2])]
     # each decode needs a 2nd block: a and b get one, the pool is empty for c,
     # and c, the most recently admitted, is preempted (its own victim)
     out, _ = run_step(sched)
-    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0, 3]), ("b", [1, 4])]
+    assert [(s.request_id, s.block_table) for s in out] == [("a", [0, 3]), ("b", [1, 4])]
     c = sched.requests["c"]
     assert (c.status, c.num_computed_tokens, c.num_preemptions, c.output_token_ids) == (RequestStatus.WAITING, 0, 1, [7])
     assert [r.request_id for r in sched.waiting] == ["c"] and sched.num_preemptions == 1
     for _ in range(3):
         out, _ = run_step(sched)
-        assert [s.request_id for s in out.scheduled] == ["a", "b"]  # nobody is admitted into a full pool
+        assert [s.request_id for s in out] == ["a", "b"]  # nobody is admitted into a full pool
     # 9th token: a takes c's freed block; b finds none and is preempted; b queues
     # ahead of c (it arrived first)
     out, _ = run_step(sched)
-    assert [(s.request_id, s.block_table) for s in out.scheduled] == [("a", [0, 3, 2])]
+    assert [(s.request_id, s.block_table) for s in out] == [("a", [0, 3, 2])]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     b = sched.requests["b"]
     assert b.output_token_ids == [7] * 5 and b.num_computed_tokens == 0
     # a runs alone until its 12 tokens are out (its worst case, 4 blocks, fits the pool)
     while "a" in sched.requests:
         out, _ = run_step(sched)
-        assert [s.request_id for s in out.scheduled][:1] == ["a"]
+        assert [s.request_id for s in out][:1] == ["a"]
     # b resumes: its prompt and the 5 tokens it generated are computed again in one
     # prefill that samples its 6th token; c follows in the same step
     out, _ = run_step(sched)
-    b_item, c_item = out.scheduled
+    b_item, c_item = out
     assert (b_item.request_id, b_item.start_position, b_item.num_tokens, b_item.needs_sample) == ("b", 0, 9, True)
     assert b_item.token_ids == [10, 11, 12, 13] + [7] * 5 and b_item.is_prefill
     assert (c_item.request_id, c_item.num_tokens) == ("c", 5)
@@ -262,21 +316,21 @@ def test_a_victim_scheduled_earlier_in_the_step_is_unscheduled_and_its_tokens_gi
     run_step(sched)
     sched.add_request(make_request("x", 12, max_tokens=1, ignore_eos=True))
     out, _ = run_step(sched)
-    assert [(s.request_id, s.num_tokens, s.block_table) for s in out.scheduled] == [("y", 1, [0]), ("x", 5, [1, 2])]
+    assert [(s.request_id, s.num_tokens, s.block_table) for s in out] == [("y", 1, [0]), ("x", 5, [1, 2])]
     out, _ = run_step(sched)
-    assert [(s.request_id, s.start_position, s.num_tokens, s.block_table) for s in out.scheduled] == [
+    assert [(s.request_id, s.start_position, s.num_tokens, s.block_table) for s in out] == [
         ("x", 5, 5, [1, 2, 3])
     ]
-    assert out.total_num_scheduled_tokens == 5  # y's decode token was given back
+    assert sum(s.num_tokens for s in out) == 5  # y's decode token was given back
     assert (y.status, y.num_computed_tokens, y.output_token_ids) == (RequestStatus.WAITING, 0, [7, 7])
     # x finishes its prompt; y recomputes in chunks too: the 4 tokens the budget and
     # the one free block allow, then the last one, which samples its 3rd token
     out, _ = run_step(sched)
-    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out.scheduled] == [
+    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out] == [
         ("x", 10, [20, 21], True), ("y", 0, [10, 11, 12, 7], False)
     ]
     out, _ = run_step(sched)
-    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out.scheduled] == [
+    assert [(s.request_id, s.start_position, s.token_ids, s.needs_sample) for s in out] == [
         ("y", 4, [7], True)
     ]
     assert y.output_token_ids == [7, 7, 7] and "x" not in sched.requests
@@ -290,14 +344,14 @@ def test_priorities_order_the_queue_and_a_higher_one_preempts_a_lower():
         sched.add_request(request)
     assert [r.request_id for r in sched.waiting] == ["top", "mid", "low", "low2"]
     out, _ = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == ["top", "mid"]
+    assert [s.request_id for s in out] == ["top", "mid"]
     # an urgent arrival while the running cap is full preempts the lowest-priority
     # running request ("mid"), not "top"; equal priorities never preempt each other
     urgent = make_request("urgent", 3, max_tokens=2, ignore_eos=True)
     urgent.priority = -1
     sched.add_request(urgent)
     out, _ = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == ["top", "urgent"]
+    assert [s.request_id for s in out] == ["top", "urgent"]
     assert [r.request_id for r in sched.waiting] == ["mid", "low", "low2"]
     assert sched.requests["mid"].num_preemptions == 1
     order = []
@@ -341,7 +395,8 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
 
     def do_step():
         nonlocal step
-        out = sched.schedule()
+        step_out = sched.schedule()
+        out = view(sched, step_out)
         # invariant: a block's reference count is the number of tables holding it,
         # and a block is free exactly when no table holds it
         owned = [b for r in sched.running for b in sched.kv.get_block_table(r.request_id)]
@@ -353,14 +408,14 @@ def test_random_arrivals_and_finishes_never_leak_a_block(events, num_blocks, blo
         # a preempted request waits with no blocks and nothing computed
         assert all(not sched.kv.get_block_table(r.request_id) and r.num_computed_tokens == 0 for r in sched.waiting)
         assert not set(map(id, sched.waiting)) & set(map(id, sched.running))
-        for s in out.scheduled:
+        for s in out:
             assert len(s.block_table) * block_size >= s.start_position + s.num_tokens
         sampled = [
-            [EOS if (s.request.request_id.endswith("e") and s.request.num_output_tokens == 0) else 5]
+            [EOS if (s.request_id.endswith("e") and sched.requests[s.request_id].num_output_tokens == 0) else 5]
             if s.needs_sample else []
-            for s in out.scheduled
+            for s in out
         ]
-        for update in sched.update_from_output(out, ModelRunnerOutput([s.request_id for s in out.scheduled], sampled)):
+        for update in sched.update_from_output(step_out, ModelRunnerOutput([s.request_id for s in out], sampled)):
             if update.request.is_finished:
                 finished.append(update.request)
         for rid in aborts.pop(step, []):

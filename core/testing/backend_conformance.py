@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.backend import BaseAttention, BaseBackend, SequenceSlice
+from ember.backend import AttentionBatch, BaseAttention, BaseBackend, SequenceSlice
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -250,7 +250,17 @@ def _check_step(
     before = [c.clone() for c in caches]
     device_caches = [c.to(device) for c in caches]
 
-    metadata = attention.prepare(slices, BLOCK_SIZE, device)
+    attention_batch = AttentionBatch.from_slices(slices, BLOCK_SIZE, torch.device("cpu"))
+    # entries past each request's last block hold other valid block ids (as a
+    # runner's reused rows do): attention must never read them
+    table = attention_batch.block_table
+    for i, s in enumerate(slices):
+        table[i, len(s.block_table):] = torch.randint(0, NUM_BLOCKS, (table.shape[1] - len(s.block_table),), generator=gen)
+    attention_batch = AttentionBatch(
+        attention_batch.query_lens, attention_batch.start_positions, table.to(device),
+        attention_batch.slot_mapping.to(device), BLOCK_SIZE,
+    )
+    metadata = attention.prepare(attention_batch)
     outputs = []
     for requests, kv_cache in zip(layers, device_caches):
         q = torch.cat([r.q for r in requests]).to(dtype).to(device)

@@ -1,0 +1,107 @@
+"""The step contract: what crosses from the scheduler to the model runner and back.
+
+Both directions are plain values (ints, strings, lists, frozen `SamplingParams` and
+CPU tensors), never live engine objects, so a runner can live in another process
+(tensor parallelism, a separate engine process): `pickle` round-trips them
+(tests/test_step_contract.py checks that no engine object travels).
+
+A request is described in full once, when it joins the runner's batch
+(:class:`NewRequest`); afterwards each step carries only deltas
+(:class:`CachedRequest`: new block ids and how many tokens are computed). The runner
+keeps its own copy of every request's tokens and appends what it samples; a request
+that is preempted leaves the runner's batch and comes back as a `NewRequest` holding
+the tokens it had generated.
+
+Two slots serve the plugin kinds built on this step:
+
+* **draft tokens** (speculative decoding): ``draft_token_ids[id]`` are ``k`` proposed
+  tokens that follow the request's last token. They are computed as ``k`` extra query
+  positions of the same step (``num_scheduled_tokens[id]`` counts them); the runner
+  accepts the longest prefix the target model agrees with and samples one more
+  token, and returns them all with ``num_accepted``. The scheduler then counts only
+  the accepted positions as computed: rejected positions' KV slots lie past the
+  request's computed tokens, are never hashed into the prefix cache, and are
+  overwritten by the next step.
+* **allowed-token masks** (grammar-guided decoding): ``allowed_token_masks[id]`` is a
+  bool tensor ``(positions, vocab)``, one row per position the request samples at
+  this step (``1 + len(draft_token_ids[id])``); the runner sets the logits of tokens
+  not allowed to ``-inf`` before any processor or the sampler sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.logprobs import PositionLogprobs
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request joining the runner's batch (first scheduled, or back from preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # tokens it generated before a preemption (empty for a new request)
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int  # already in the KV cache (a prefix-cache hit)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequest:
+    """A request already in the runner's batch: what changed since its last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step. ``num_scheduled_tokens`` lists every scheduled request in batch
+    order (the order of the runner's flat batch and of its output)."""
+
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that sample a token at the end of this step (the others compute a
+    # chunk of their prompt only).
+    sampling_request_ids: frozenset[str] = frozenset()
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    allowed_token_masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Left the runner's batch since the last step: finished or aborted (the runner
+    # drops their state for good) and preempted (they come back as NewRequest).
+    finished_request_ids: frozenset[str] = frozenset()
+    preempted_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per scheduled request, in ``SchedulerOutput.num_scheduled_tokens`` order."""
+
+    request_ids: list[str]
+    # accepted draft tokens, then the sampled one; empty for a prompt chunk
+    sampled_token_ids: list[list[int]]
+    # log-probability of each sampled token (same shape); empty lists when unknown
+    sampled_logprobs: list[list[float]] | None = None
+    # Only for requests whose params ask (empty lists otherwise): each sampled token's
+    # rank and alternatives (same shape as sampled_token_ids), and the prompt
+    # positions this step computed (the logprob of prompt token p + 1 at row p).
+    sampled_top_logprobs: list[list[PositionLogprobs]] | None = None
+    prompt_logprobs: list[list[PositionLogprobs]] | None = None
+    # how many of the request's draft tokens were accepted (0 without drafts)
+    num_accepted: list[int] | None = None
