@@ -6,6 +6,10 @@ the caller's thread (pure checks: tokenization, lengths, parameters), then hande
 to the engine thread through a command queue; outputs come back through one
 asyncio queue per request. A failing step fails the requests it held, never the
 loop: the engine keeps serving the next requests.
+
+It is the `EngineClient` the API uses. Every read of the `LLMEngine`'s attributes
+happens in this module (``model_info``, ``stats``, the tokenizer methods), so an
+engine that changes its insides updates this one place.
 """
 
 from __future__ import annotations
@@ -16,22 +20,21 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from ember.engine import LLMEngine
+from ember.engine_client import EngineClient, EngineDeadError, EngineStats, ModelInfo, RequestAbortedError
+from ember.logits_processor import BaseLogitsProcessor
 from ember.outputs import RequestOutput
 from ember.request import check_priority
 from ember.sampling_params import SamplingParams
 from ember.stats import StepStats
+from ember.tokenizer import apply_chat_template, max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can be served."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The server ended the request before it finished (e.g. shutting down); the message says why."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ class _RequestStream:
             pass
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
@@ -72,7 +75,7 @@ class AsyncLLMEngine:
         self._next_id = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.dead_error: BaseException | None = None
+        self._dead_error: BaseException | None = None
         self.num_steps = 0
         # called in the engine thread after every step that computed tokens; must be quick
         self._step_listeners: list[Callable[[StepStats], None]] = []
@@ -92,7 +95,11 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return self._thread is not None and self._thread.is_alive() and self._dead_error is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
 
     # -- requests -------------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
@@ -172,6 +179,80 @@ class AsyncLLMEngine:
         tokens. A listener that raises is logged, never stops the loop."""
         self._step_listeners.append(listener)
 
+    # -- the tokenizer (called from any thread: the engine thread never changes it) --------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_with_offsets(self, text: str, keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
+        # A fast tokenizer's encoding gives just the offsets asked for (a list of 2 M
+        # offsets would hold the GIL for a second).
+        tokenizer = self.engine.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
+            num_tokens = len(encoding)
+            start = max(0, num_tokens - keep_last)
+            offsets = [encoding.token_to_chars(i) or (0, 0) for i in range(start, num_tokens)]  # None: a special token
+            return num_tokens, encoding.ids[start:], offsets
+        encoding = tokenizer(text, return_offsets_mapping=True)
+        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        start = max(0, len(ids) - keep_last)
+        return len(ids), ids[start:], offsets[start:]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return apply_chat_template(self.engine.tokenizer, messages)
+
+    # -- facts and counts ---------------------------------------------------------------
+    @cached_property
+    def model_info(self) -> ModelInfo:
+        engine = self.engine
+        kv, scheduler_config = engine.kv_manager, engine.scheduler.config
+        return ModelInfo(
+            model=engine.config.model,
+            model_dir=str(engine.model_dir),
+            vocab_size=engine.hf_config.vocab_size,
+            max_model_len=engine.max_model_len,
+            eos_token_ids=tuple(engine.eos_token_ids),
+            special_token_ids=frozenset(engine.tokenizer.all_special_ids),
+            max_chars_per_token=max_chars_per_token(engine.tokenizer),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            backend_name=engine.backend.name,
+            backend_description=engine.backend.describe(),
+            num_threads=engine.num_threads,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            is_chunked_prefill=scheduler_config.enable_chunked_prefill,
+            is_prefix_caching=kv.enable_prefix_caching,
+            block_size=kv.block_size,
+            num_kv_blocks=kv.num_blocks,
+        )
+
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
+        counts = scheduler.stats()
+        return EngineStats(
+            num_running=counts.num_running,
+            num_waiting=counts.num_waiting,
+            num_free_blocks=counts.num_free_blocks,
+            num_total_blocks=counts.num_total_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_prefix_queries=kv.num_prefix_queries,
+            num_prefix_hits=kv.num_prefix_hits,
+        )
+
+    def logits_processor(self, name: str) -> BaseLogitsProcessor:
+        for processor in self.engine.logits_pipeline.processors:
+            if processor.name == name:
+                return processor
+        raise LookupError(f"the logits processor {name!r} is not loaded")
+
+    @property
+    def plugin_manager(self):
+        return self.engine.plugin_manager
+
     # -- the engine thread ------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -184,7 +265,7 @@ class AsyncLLMEngine:
                 self._step()
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             logger.exception("engine loop died")
-            self.dead_error = exc
+            self._dead_error = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
 
     def _drain_commands(self) -> None:
