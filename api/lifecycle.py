@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ember.api.errors import APIError
-from ember.async_engine import AsyncLLMEngine
+from ember.engine_client import EngineClient
 from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ class Phase(enum.Enum):
 
 
 class Lifecycle:
-    def __init__(self, engine: AsyncLLMEngine, graceful_timeout_s: float) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, graceful_timeout_s: float) -> None:
+        self.client = client
         self.graceful_timeout_s = graceful_timeout_s
         self.phase = Phase.STARTING
         self.warm_up_error: BaseException | None = None
@@ -65,10 +65,10 @@ class Lifecycle:
         """One forward pass through the engine (prefill and one decode token), then ready."""
         started = time.perf_counter()
         try:
-            ids = self.engine.engine.tokenizer.encode(WARM_UP_PROMPT)
-            ids = ids[: max(1, min(8, self.engine.engine.max_model_len - 2))]
+            ids = self.client.encode(WARM_UP_PROMPT)
+            ids = ids[: max(1, min(8, self.client.model_info.max_model_len - 2))]
             params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-            async for _ in self.engine.generate(None, params, prompt_token_ids=ids, request_id="warm-up"):
+            async for _ in self.client.generate(None, params, prompt_token_ids=ids, request_id="warm-up"):
                 pass
         except Exception as exc:
             self.warm_up_error = exc
@@ -98,7 +98,7 @@ class Lifecycle:
             while self.num_active and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if self.num_active:
-                num = self.engine.abort_all(
+                num = self.client.abort_all(
                     f"the server shut down before this request finished (graceful termination timeout "
                     f"{self.graceful_timeout_s:g} s)"
                 )

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ember.api.context import RequestContext
 from ember.api.openapi import documented
-from ember.async_engine import AsyncLLMEngine
+from ember.engine_client import EngineClient
 from ember.stats import StepStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -30,7 +30,7 @@ LENGTH_BUCKETS = tuple(float(2**k) for k in range(0, 18))  # 1 ... 131072 tokens
 class ServerMetrics:
     """Every metric of one app, and the calls that update them."""
 
-    def __init__(self, engine: AsyncLLMEngine, in_flight=lambda: 0) -> None:
+    def __init__(self, client: EngineClient, in_flight=lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -75,8 +75,8 @@ class ServerMetrics:
         self.step_tokens = Counter(
             "ember_step_tokens", "Tokens computed by engine steps, by phase (prefill or decode)", ["phase"], registry=r,
         )
-        r.register(_EngineCollector(engine, in_flight))
-        engine.add_step_listener(self.observe_step)
+        r.register(_EngineCollector(client, in_flight))
+        client.add_step_listener(self.observe_step)
 
     def observe_step(self, stats: StepStats) -> None:
         self.step_duration.labels(stats.kind).observe(stats.duration_s)
@@ -115,17 +115,15 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Gauges read from the engine at scrape time (plain reads of counts: safe while it steps)."""
 
-    def __init__(self, engine: AsyncLLMEngine, in_flight) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, in_flight) -> None:
+        self.client = client
         self.in_flight = in_flight
 
     def describe(self):
         return []  # not known before collect (auto_describe would collect at registration)
 
     def collect(self):
-        core = self.engine.engine
-        stats = core.scheduler.stats()
-        kv = core.kv_manager
+        stats = self.client.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
@@ -134,14 +132,13 @@ class _EngineCollector(Collector):
         yield gauge("ember_requests_running", "Engine requests in the running batch", stats.num_running)
         yield gauge("ember_requests_in_flight", "API requests being served (held against --max-concurrent-requests)",
                     self.in_flight())
-        yield gauge("ember_kv_cache_blocks_used", "KV cache blocks held by requests",
-                    stats.num_total_blocks - stats.num_free_blocks)
+        yield gauge("ember_kv_cache_blocks_used", "KV cache blocks held by requests", stats.num_used_blocks)
         yield gauge("ember_kv_cache_blocks_total", "KV cache blocks in the pool", stats.num_total_blocks)
         yield gauge("ember_kv_cache_usage_ratio", "Fraction of the KV cache blocks held by requests",
-                    (stats.num_total_blocks - stats.num_free_blocks) / max(1, stats.num_total_blocks))
+                    stats.num_used_blocks / max(1, stats.num_total_blocks))
         yield gauge("ember_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens "
-                    "looked up, since start", kv.prefix_hit_rate)
+                    "looked up, since start", stats.prefix_hit_rate)
         yield CounterMetricFamily("ember_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=kv.num_prefix_queries)
+                                  value=stats.num_prefix_queries)
         yield CounterMetricFamily("ember_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=kv.num_prefix_hits)
+                                  value=stats.num_prefix_hits)

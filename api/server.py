@@ -1,7 +1,8 @@
 """The Starlette application and `ember serve`.
 
 The engine runs in its own thread (`AsyncLLMEngine`); the event loop only parses,
-validates, queues and streams, so /health answers while a batch computes.
+validates, queues and streams, so /health answers while a batch computes. The app
+uses the engine only through its `EngineClient` interface.
 Production concerns (docs/operations.md) wrap the routes: `RequestMiddleware`
 (request id, API key, drain gate, metrics, traces, access log), CORS, the warm-up
 that makes /health ready, and the SIGTERM drain of `serve`.
@@ -28,9 +29,11 @@ from ember.api.metrics import ServerMetrics
 from ember.api.middleware import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.tgi import TGIRoutes
-from ember.api.service import GenerationService, ModelInfo
+from ember.api.plugin_context import plugin_routes
+from ember.api.service import GenerationService, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
 from ember.async_engine import AsyncLLMEngine
+from ember.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +53,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error: {exc!r}", "internal"), _flavor(request))
 
 
-def plugin_routes(plugin_manager, service: GenerationService, taken: set[str]) -> list:
-    """The routes plugins add through ``ember_api_routes``, once, at app creation."""
-    added = []
-    for plugin_list in plugin_manager.hook.ember_api_routes(service=service):
-        for route in plugin_list or ():
-            if route.path in taken:
-                raise ValueError(f"a plugin's route {route.path!r} clashes with a route the app already has")
-            taken.add(route.path)
-            added.append(route)
-    return added
-
-
-def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider=None) -> Starlette:
+def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=None) -> Starlette:
     """Build the app around a started or startable engine (started on app startup).
 
     ``tracer_provider``: an OpenTelemetry SDK provider to trace with (tests pass one
@@ -71,15 +62,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider
     import ember
     from ember.api.tracing import Tracing, create_otlp_provider
 
-    core = engine.engine
-    limits = resolve_limits(
-        settings, core.max_model_len, core.num_kv_cache_tokens, core.scheduler.config.max_num_batched_tokens
-    )
-    model_id = settings.served_model_name or settings.model_id or core.config.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    info = ModelInfo(
+    model = engine.model_info
+    limits = resolve_limits(settings, model.max_model_len, model.num_kv_cache_tokens, model.max_num_batched_tokens)
+    model_id = settings.served_model_name or settings.model_id or model.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    info = ServedModel(
         model_id=model_id,
-        dtype=str(core.dtype).removeprefix("torch."),
-        backend=core.backend.name,
+        dtype=model.dtype,
+        backend=model.backend_name,
         version=ember.__version__,
         created=int(time.time()),
     )
@@ -99,7 +88,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings, tracer_provider
         OpenAIRoutes = None
     if OpenAIRoutes is not None:
         routes += OpenAIRoutes(service).routes()
-    routes += plugin_routes(core.plugin_manager, service, {route.path for route in routes})
+    routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 
     routes += OpenAPIRoutes(routes).routes()
@@ -184,14 +173,14 @@ def serve(settings: ServerSettings) -> None:
     engine = build_engine(settings)
     app = create_app(engine, settings)
     service: GenerationService = app.state.service
-    core = engine.engine
+    model = engine.model_info
     logger.info(
         "serving %s on backend %s (dtype %s); KV cache holds %d tokens (%d blocks of %d); "
         "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; %s; http://%s:%d",
-        service.info.model_id, core.backend.describe(), service.info.dtype, core.num_kv_cache_tokens,
-        core.kv_manager.num_blocks, core.kv_manager.block_size,
-        "on" if core.kv_manager.enable_prefix_caching else "off",
-        "on" if core.scheduler.config.enable_chunked_prefill else "off",
+        service.info.model_id, model.backend_description, service.info.dtype, model.num_kv_cache_tokens,
+        model.num_kv_blocks, model.block_size,
+        "on" if model.is_prefix_caching else "off",
+        "on" if model.is_chunked_prefill else "off",
         service.limits.max_input_tokens, service.limits.max_total_tokens,
         "API-key auth on" if settings.api_key is not None else "API-key auth off: every route is open",
         settings.hostname, settings.port,

@@ -1,4 +1,4 @@
-"""What every route shares: the async engine, the limits, admission control, and
+"""What every route shares: the engine client, the limits, admission control, and
 a few threads that prepare requests off the event loop.
 
 Tokenizing and chat templating take time that grows with the request (seconds for
@@ -22,17 +22,18 @@ from typing import TypeVar
 from ember.api.context import GenerationRecord, current
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.settings import ResolvedLimits
-from ember.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
+from ember.engine_client import EngineClient, EngineDeadError, RequestAbortedError
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
-from ember.tokenizer import max_chars_per_token
 
 T = TypeVar("T")
 NUM_PREPARE_THREADS = 4  # tokenizers release the GIL; a few threads keep one huge prompt from queueing the rest
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ServedModel:
+    """The model as this server names it (``model_id``: --served-model-name or the model)."""
+
     model_id: str
     dtype: str
     backend: str
@@ -41,14 +42,14 @@ class ModelInfo:
 
 
 class GenerationService:
-    def __init__(self, engine: AsyncLLMEngine, limits: ResolvedLimits, info: ModelInfo) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, limits: ResolvedLimits, info: ServedModel) -> None:
+        self.client = client
         self.limits = limits
         self.info = info
-        self.tokenizer = engine.engine.tokenizer
+        self.model_info = client.model_info
         self.num_in_flight = 0
         self.started_at = time.time()
-        self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self.chars_per_token = self.model_info.max_chars_per_token
         self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ember-prepare")
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
@@ -91,28 +92,22 @@ class GenerationService:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, context, KV capacity) as a 422."""
         try:
-            self.engine.validate(None, params, prompt_ids)
+            self.client.validate(None, params, prompt_ids)
         except ValueError as exc:
             raise validation_error(str(exc)) from None
 
+    @property
+    def tokenizer(self) -> EngineClient:
+        """The tokenizer's operations (``encode``, ``decode``, ``apply_chat_template``)
+        are the client's: there is no other tokenizer on this side of the engine."""
+        return self.client
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.client.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_with_offsets(self, text: str, keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
-        """The number of tokens of ``text``, and the ids and (start, stop) character
-        offsets of its last ``keep_last`` tokens. A fast tokenizer's encoding gives just
-        those (a list of 2 M offsets would hold the GIL for a second)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
-            num_tokens = len(encoding)
-            start = max(0, num_tokens - keep_last)
-            offsets = [encoding.token_to_chars(i) or (0, 0) for i in range(start, num_tokens)]  # None: a special token
-            return num_tokens, encoding.ids[start:], offsets
-        encoding = self.tokenizer(text, return_offsets_mapping=True)
-        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-        start = max(0, len(ids) - keep_last)
-        return len(ids), ids[start:], offsets[start:]
+        """See `EngineClient.encode_with_offsets`."""
+        return self.client.encode_with_offsets(text, keep_last)
 
     def check_lengths(self, num_input: int, max_new_tokens: int | None, input_name: str = "inputs") -> int:
         """Apply the TGI limits; return max_new_tokens (defaulting to the room left)."""
@@ -148,7 +143,7 @@ class GenerationService:
         if ctx is not None:
             ctx.generations.append(record)
         try:
-            async for out in self.engine.generate(prompt, params, prompt_token_ids=prompt_ids, priority=priority):
+            async for out in self.client.generate(prompt, params, prompt_token_ids=prompt_ids, priority=priority):
                 record.observe(out)
                 yield out
         except EngineDeadError as exc:
@@ -176,15 +171,7 @@ class GenerationService:
         return last
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.client.decode([token_id], skip_special_tokens=False)
 
     def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
-
-    @property
-    def _special_ids(self) -> set[int]:
-        ids = getattr(self, "_special_cache", None)
-        if ids is None:
-            ids = set(self.tokenizer.all_special_ids)
-            self._special_cache = ids
-        return ids
+        return token_id in self.model_info.special_token_ids

@@ -185,8 +185,9 @@ def test_penalties_logit_bias_and_vllm_extensions(client, server):
 
 
 def test_extra_switches_on_a_plugin_processor(client, server):
-    engine = server.app.state.service.engine.engine
-    if "ban_digits" not in engine.logits_pipeline.names:
+    try:
+        server.app.state.service.client.logits_processor("ban_digits")
+    except LookupError:
         pytest.fail("the example plugin is not installed: pip install --no-deps ./examples/ember-legacy-llama")
     digits = {str(i): 30 for i in server.app.state.service.encode("0123456789", add_special_tokens=False)}
     text = greedy_completion(client, max_tokens=8, logit_bias=digits).choices[0].text
@@ -202,7 +203,7 @@ def test_chat_completion(client, server):
     [choice] = r.choices
     assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
     service = server.app.state.service
-    prompt = service.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompt = service.client.apply_chat_template(MESSAGES)
     assert r.usage.prompt_tokens == len(service.encode(prompt, add_special_tokens=False))
     assert r.usage.completion_tokens == 9
 
@@ -505,7 +506,7 @@ def test_n_choices_and_best_of(client, server):
 
 def test_vllm_extensions_min_tokens_bad_words_stop_token_ids(client, server):
     url, app = server
-    tok = app.state.service.tokenizer
+    tok = app.state.service.client
     base = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
     # "hello" is one token of the tiny tokenizer: a huge bias makes it the greedy pick,
     # and bad_words removes it again

@@ -20,8 +20,9 @@ def server(tiny_llama_dir):
         yield url, app
 
 
-def kv_of(app):
-    return app.state.service.engine.engine.kv_manager
+def all_blocks_free(app) -> bool:
+    stats = app.state.service.client.stats()
+    return stats.num_free_blocks == stats.num_total_blocks
 
 
 def sse_events(text: str) -> list[dict]:
@@ -164,8 +165,7 @@ def test_32_concurrent_streams_match_solo_greedy(server):
             return await asyncio.gather(*(stream(client, p) for p in prompts))
 
     assert asyncio.run(main()) == solo
-    kv = kv_of(app)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert all_blocks_free(app)
 
 
 def test_health_answers_while_a_batch_computes(server):
@@ -228,11 +228,10 @@ def test_disconnected_streams_free_their_blocks(server):
             await asyncio.gather(*(cut(client, i) for i in range(20)))
 
     asyncio.run(main())
-    kv = kv_of(app)
     deadline = time.time() + 10
-    while time.time() < deadline and (kv.num_free_blocks != kv.num_blocks or app.state.service.num_in_flight):
+    while time.time() < deadline and (not all_blocks_free(app) or app.state.service.num_in_flight):
         time.sleep(0.05)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert all_blocks_free(app)
     assert app.state.service.num_in_flight == 0
     assert httpx.get(f"{url}/health").status_code == 200
 
@@ -322,7 +321,7 @@ def test_unknown_route_and_method_are_json(server):
 
 def test_a_failing_step_becomes_an_error_event_and_the_server_lives_on(tiny_llama_dir):
     with running_server(tiny_llama_dir, max_total_tokens=256) as (url, app):
-        runner = app.state.service.engine.engine.runner
+        runner = app.state.service.client.engine.runner  # a fault planted inside the engine
         real_execute = runner.execute
         calls = {"n": 0}
 
@@ -341,19 +340,18 @@ def test_a_failing_step_becomes_an_error_event_and_the_server_lives_on(tiny_llam
         runner.execute = real_execute
         assert generate(url, max_new_tokens=3).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200
-        kv = kv_of(app)
-        assert kv.num_free_blocks == kv.num_blocks
+        assert all_blocks_free(app)
 
 
 def test_top_tokens_and_prefill(server):
     """`top_n_tokens` and `decoder_input_details` as TGI shapes them; logprobs are of
     the distribution each token was drawn from (greedy here: the model's own)."""
     url, app = server
-    tokenizer = app.state.service.tokenizer
+    client = app.state.service.client
     r = generate(url, "hello world", max_new_tokens=5, details=True, decoder_input_details=True, top_n_tokens=3)
     assert r.status_code == 200, r.text
     details = r.json()["details"]
-    prompt_ids = tokenizer.encode("hello world")
+    prompt_ids = client.encode("hello world")
     assert [t["id"] for t in details["prefill"]] == prompt_ids
     assert details["prefill"][0]["logprob"] is None
     assert all(t["logprob"] <= 0 for t in details["prefill"][1:])

@@ -183,8 +183,7 @@ def test_route_exists_only_through_the_plugin(tiny_llama_dir):
 
 def test_route_detects_and_tgi_openai_watermark(tiny_llama_dir):
     with running_server(tiny_llama_dir, engine={"processor_options": {"watermark": {"key": "s3cret"}}}) as (url, app):
-        engine = app.state.service.engine.engine
-        vocab = engine.hf_config.vocab_size
+        vocab = app.state.service.client.model_info.vocab_size
         green = GreenList(vocab, 0.25, "s3cret")
         ids = green_chain(green, 3, 40)
         r = httpx.post(f"{url}/watermark/detect", json={"token_ids": ids}, timeout=30)

@@ -39,7 +39,7 @@ class CommonRoutes:
     async def health(self, request: Request) -> Response:
         """200 while the engine loop runs and the server is ready (warmed up, not draining);
         503 with the reason otherwise."""
-        engine = self.service.engine
+        engine = self.service.client
         lifecycle = self.lifecycle
         if not engine.is_running:
             message, error_type = f"engine is not running: {engine.dead_error!r}", "unhealthy"
@@ -56,8 +56,7 @@ class CommonRoutes:
     @documented(summary="Model, dtype, backend, limits and version", tag="Common", response=tgi.Info)
     async def info(self, request: Request) -> Response:
         s = self.service
-        kv = s.engine.engine.kv_manager
-        limits = s.limits
+        model, stats, limits = s.model_info, s.client.stats(), s.limits
         return JSONResponse(
             {
                 "model_id": s.info.model_id,
@@ -76,15 +75,15 @@ class CommonRoutes:
                 "router": "ember",
                 "version": s.info.version,
                 "backend": s.info.backend,
-                "num_kv_blocks": kv.num_blocks,
-                "kv_cache_tokens": kv.num_blocks * kv.block_size,
-                "prefix_caching": kv.enable_prefix_caching,
-                "prefix_cache_hit_rate": kv.prefix_hit_rate,
-                "num_preemptions": s.engine.engine.scheduler.num_preemptions,
-                "max_batch_size": s.engine.engine.scheduler.config.max_num_seqs,
-                "num_threads": s.engine.engine.num_threads,
-                "chunked_prefill": s.engine.engine.scheduler.config.enable_chunked_prefill,
-                "kv_block_size": kv.block_size,
+                "num_kv_blocks": model.num_kv_blocks,
+                "kv_cache_tokens": model.num_kv_cache_tokens,
+                "prefix_caching": model.is_prefix_caching,
+                "prefix_cache_hit_rate": stats.prefix_hit_rate,
+                "num_preemptions": stats.num_preemptions,
+                "max_batch_size": model.max_num_seqs,
+                "num_threads": model.num_threads,
+                "chunked_prefill": model.is_chunked_prefill,
+                "kv_block_size": model.block_size,
             }
         )
 

@@ -31,7 +31,6 @@ from ember.api.sse import EventStreamResponse, sse_event
 from ember.outputs import RequestOutput
 from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
-from ember.tokenizer import apply_chat_template
 
 TOOLS_ISSUE = "the tool-calling issue"
 JSON_ISSUE = "the grammar-guided JSON issue"
@@ -154,7 +153,7 @@ class OpenAIRoutes:
         if seed is not None and seed < 0:
             seed += 2**64  # OpenAI seeds are signed 64-bit; same bits, same stream
         logit_bias = {int(key): bias for key, bias in (body.logit_bias or {}).items()}
-        vocab = self.service.engine.engine.hf_config.vocab_size
+        vocab = self.service.model_info.vocab_size
         bad = next((t for t in logit_bias if t >= vocab), None)
         if bad is not None:
             raise validation_error(f"`logit_bias` token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
@@ -193,7 +192,7 @@ class OpenAIRoutes:
         return tuple(seqs)
 
     def _checked_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = self.service.engine.engine.hf_config.vocab_size
+        vocab = self.service.model_info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise validation_error(f"`{param}` token id {bad} is outside the vocabulary [0, {vocab})", param)
@@ -362,7 +361,7 @@ class OpenAIRoutes:
             max_tokens = self._max_tokens(len(ids), body.max_tokens, name, "max_tokens")
             params = self._params(body, max_tokens)
             self.service.validate(ids, params)
-            echo = "" if not body.echo else text if text is not None else self.service.tokenizer.decode(ids)
+            echo = "" if not body.echo else text if text is not None else self.service.client.decode(ids)
             jobs.append(_Job(index, text, ids, params, echo, body.priority))
         return jobs
 
@@ -372,7 +371,7 @@ class OpenAIRoutes:
         is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         items = prompt if is_batch else [prompt]
         names = [f"prompt[{i}]" if is_batch else "prompt" for i in range(len(items))]
-        vocab = self.service.engine.engine.hf_config.vocab_size
+        vocab = self.service.model_info.vocab_size
         for item, name in zip(items, names):
             if not item:
                 raise validation_error(f"`{name}` is empty: give a non-empty prompt", name)
@@ -487,7 +486,7 @@ class OpenAIRoutes:
             plain.append({"role": role, "content": content})
         self.service.check_chars("".join(m["content"] for m in plain), "messages")
         try:
-            return apply_chat_template(self.service.tokenizer, plain)
+            return self.service.client.apply_chat_template(plain)
         except (ValueError, TemplateError) as exc:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
 

@@ -186,7 +186,7 @@ class TGIRoutes:
         num_top = body.parameters.top_n_tokens or 0
         seed = None if params.seed is None else (params.seed + completion.index) % 2**64  # child i: seed + i
         return tgi.Details(
-            finish_reason=finish_reason(out, service.engine.engine.eos_token_ids),
+            finish_reason=finish_reason(out, service.model_info.eos_token_ids),
             generated_tokens=len(completion.token_ids),
             seed=seed,
             prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
@@ -241,7 +241,7 @@ class TGIRoutes:
                         text = completion.text
                         event["generated_text"] = (body.inputs + text) if body.parameters.return_full_text else text
                         event["details"] = {
-                            "finish_reason": finish_reason(out, service.engine.engine.eos_token_ids),
+                            "finish_reason": finish_reason(out, service.model_info.eos_token_ids),
                             "generated_tokens": len(completion.token_ids),
                             "seed": params.seed,
                             "input_length": len(ids),

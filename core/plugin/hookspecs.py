@@ -14,12 +14,17 @@ named by an entry point in the group ``ember``::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pluggy
 
 if TYPE_CHECKING:
+    from ember.engine_client import EngineClient
     from ember.plugin.registry import Registry
+
+T = TypeVar("T")
 
 PROJECT_NAME = "ember"
 ENTRY_POINT_GROUP = "ember"
@@ -76,16 +81,75 @@ def ember_configure(config: Any) -> None:
     before the model loads. May inspect; must not mutate frozen configs."""
 
 
-@hookspec
-def ember_api_routes(service: Any) -> list[Any]:
-    """Return HTTP routes (``starlette.routing.Route``) to add to the API app.
+class RouteContext(ABC):
+    """What a plugin's HTTP routes may use: the argument of `ember_api_routes`.
 
-    Called once, when the API layer builds the HTTP app (``create_app``), with the
-    app's ``GenerationService`` (``service.engine.engine`` is the ``LLMEngine``:
-    tokenizer, logits pipeline; ``service.limits.payload_limit`` bounds request
-    bodies). Core only declares this hook; the API layer calls it. Each plugin's list is added after the built-in routes; a path
-    that a built-in route already serves is an error. The watermark plugin adds
-    ``POST /watermark/detect`` this way.
+    The API layer implements it (core knows no HTTP library), so a plugin needs no
+    ``ember.api`` import: the engine through `client`, the server's limits, and the
+    helpers that make a plugin's route answer as the built-in ones do (the same JSON
+    errors, the same strict body parsing, documented in /openapi.json).
+    """
+
+    @property
+    @abstractmethod
+    def client(self) -> EngineClient:
+        """The engine (`ember.engine_client.EngineClient`): tokenizer, model facts, a
+        plugin's own logits processor (``client.logits_processor(name)``)."""
+
+    @property
+    @abstractmethod
+    def max_input_tokens(self) -> int:
+        """--max-input-tokens: the longest prompt a request may send."""
+
+    @property
+    @abstractmethod
+    def max_total_tokens(self) -> int:
+        """--max-total-tokens: prompt plus generated tokens of one request, at most."""
+
+    @abstractmethod
+    def route(
+        self, path: str, endpoint: Callable[[Any], Awaitable[Any]], *, methods: Sequence[str] = ("POST",),
+        summary: str | None = None, tag: str = "Plugins", request_model: type | None = None,
+    ) -> Any:
+        """A route of the app (a ``starlette.routing.Route``) serving ``endpoint``.
+
+        ``endpoint(request)`` is async and returns a response, or a JSON-able value
+        sent as a 200 JSON body. An error it raises from `validation_error` or
+        `read_body` is answered as the built-in routes answer it (TGI's
+        ``{"error", "error_type"}``; OpenAI's shape under ``/v1/``); any other
+        exception is a 500. ``summary``, ``tag`` and ``request_model`` (a pydantic
+        model) describe it in /openapi.json (without a summary: its docstring's first line).
+        """
+
+    @abstractmethod
+    async def read_body(self, request: Any, model: type[T]) -> T:
+        """The request's JSON body validated as the pydantic ``model``, strictly (as the
+        built-in routes read theirs); a 400, 415 or 422 error naming the problem otherwise."""
+
+    @abstractmethod
+    def validation_error(self, message: str, param: str | None = None) -> Exception:
+        """The 422 error to raise for a bad field (``param``: its name)."""
+
+    @abstractmethod
+    def check_chars(self, text: str, input_name: str, max_tokens: int | None = None) -> None:
+        """Raise a 422 for a text too long to fit ``max_tokens`` (default
+        --max-input-tokens) whatever its tokens, without tokenizing it."""
+
+    @abstractmethod
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the API's preparation threads, off the event loop (tokenizing
+        or scoring a long text must not hold up /health)."""
+
+
+@hookspec
+def ember_api_routes(context: RouteContext) -> list[Any]:
+    """Return HTTP routes to add to the API app, made with ``context.route(...)``
+    (see `RouteContext`: everything a route may use, so a plugin imports no ``ember.api``).
+
+    Called once, when the API layer builds the HTTP app (``create_app``). Core only
+    declares this hook; the API layer calls it. Each plugin's list is added after the
+    built-in routes; a path that a built-in route already serves is an error. The
+    watermark plugin adds ``POST /watermark/detect`` this way.
     """
 
 

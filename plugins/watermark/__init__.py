@@ -28,7 +28,7 @@ def ember_register_logits_processors(registry: Registry) -> None:
 
 
 @hookimpl
-def ember_api_routes(service):
-    from .routes import WatermarkRoutes  # starlette only when the HTTP app is built
+def ember_api_routes(context):
+    from .routes import WatermarkRoutes  # pydantic only when the HTTP app is built
 
-    return WatermarkRoutes(service).routes()
+    return WatermarkRoutes(context).routes()

@@ -1,22 +1,20 @@
-"""``POST /watermark/detect``: added to the app by this plugin's ``ember_api_routes``."""
+"""``POST /watermark/detect``: added to the app by this plugin's ``ember_api_routes``.
+
+It uses only what the hook hands it (`ember.plugin.hookspecs.RouteContext`): the
+engine client, to reach this plugin's own processor (its key and default gamma),
+and the API's helpers for bodies, errors and long work. No ``ember.api`` import.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
-
-from ember.api.errors import APIError, Flavor, error_response, validation_error
-from ember.api.http import read_model
-from ember.api.openapi import documented
 
 from .processor import NAME, WatermarkProcessor
 
 if TYPE_CHECKING:
-    from ember.api.service import GenerationService
+    from ember.plugin.hookspecs import RouteContext
 
 
 class DetectRequest(BaseModel):
@@ -28,46 +26,39 @@ class DetectRequest(BaseModel):
     gamma: float | None = Field(None, gt=0.0, lt=1.0, description="the gamma it was generated with (default: the server's)")
 
 
-def find_processor(service: GenerationService) -> WatermarkProcessor:
-    for processor in service.engine.engine.logits_pipeline.processors:
-        if processor.name == NAME:
-            return processor
-    raise LookupError("the watermark logits processor is not loaded")
-
-
 class WatermarkRoutes:
-    def __init__(self, service: GenerationService) -> None:
-        self.service = service
+    def __init__(self, context: RouteContext) -> None:
+        self.context = context
 
-    def routes(self) -> list[Route]:
-        return [Route("/watermark/detect", self.detect, methods=["POST"])]
+    def routes(self) -> list[Any]:
+        return [self.context.route(
+            "/watermark/detect", self.detect, methods=("POST",),
+            summary="Score text or token ids for the watermark: green count, z-score, p-value",
+            tag="Watermark", request_model=DetectRequest,
+        )]
 
-    @documented(summary="Score text or token ids for the watermark: green count, z-score, p-value",
-                tag="Watermark", request=DetectRequest)
-    async def detect(self, request: Request) -> JSONResponse:
+    async def detect(self, request: Any) -> dict:
         """Score text or token ids: green count, z-score, p-value."""
+        ctx = self.context
+        body = await ctx.read_body(request, DetectRequest)
+        if (body.text is None) == (body.token_ids is None):
+            raise ctx.validation_error("give exactly one of `text` and `token_ids`")
+        processor: WatermarkProcessor = ctx.client.logits_processor(NAME)
+        # what one request can generate at most is what there is to score
+        max_tokens = ctx.max_total_tokens
+        if body.token_ids is not None and len(body.token_ids) > max_tokens:
+            raise ctx.validation_error(
+                f"`token_ids` holds {len(body.token_ids)} tokens; at most --max-total-tokens ({max_tokens})",
+                "token_ids",
+            )
+        if body.text is not None:
+            ctx.check_chars(body.text, "text", max_tokens)
         try:
-            body = await read_model(request, DetectRequest)
-            if (body.text is None) == (body.token_ids is None):
-                raise validation_error("give exactly one of `text` and `token_ids`")
-            processor = find_processor(self.service)
-            # what one request can generate at most is what there is to score
-            max_tokens = self.service.limits.max_total_tokens
-            if body.token_ids is not None and len(body.token_ids) > max_tokens:
-                raise validation_error(
-                    f"`token_ids` holds {len(body.token_ids)} tokens; at most --max-total-tokens ({max_tokens})",
-                    "token_ids",
-                )
+            detector = processor.create_detector(body.gamma)
             if body.text is not None:
-                self.service.check_chars(body.text, "text", max_tokens)
-            try:
-                detector = processor.create_detector(body.gamma)
-                if body.text is not None:
-                    output = await self.service.run_blocking(detector.detect_text, body.text)
-                else:
-                    output = await self.service.run_blocking(detector.detect, body.token_ids, body.prefix_token_id)
-            except ValueError as exc:
-                raise validation_error(str(exc)) from None
-        except APIError as exc:
-            return error_response(exc, Flavor.TGI)
-        return JSONResponse(output.to_dict())
+                output = await ctx.run_blocking(detector.detect_text, body.text)
+            else:
+                output = await ctx.run_blocking(detector.detect, body.token_ids, body.prefix_token_id)
+        except ValueError as exc:
+            raise ctx.validation_error(str(exc)) from None
+        return output.to_dict()
