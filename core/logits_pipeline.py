@@ -1,10 +1,12 @@
-"""Run the registered logits processors over one step's batch, in a fixed order.
+"""The plugins' logits processors of one engine, and which of them each request uses.
 
-The order is each processor's ``order`` (then its name): logit_bias, repetition
-penalty, frequency/presence penalty, bad words, min_tokens and third-party
-adjustments first; then temperature; then the truncations top-k, top-p, min-p and
-typical-p. The sampler draws from what comes out, which is always a distribution:
-every row finite or -inf (a ban) with at least one finite entry (`repair_non_finite`).
+Core's :class:`ember.sampler.Sampler` does the standard controls itself and calls
+:meth:`LogitsPipeline.apply` once per band of ``order`` between its own steps:
+core adjustments, processors with ``order < ORDER_TEMPERATURE``, temperature,
+processors in ``[ORDER_TEMPERATURE, ORDER_TRUNCATE)``, top-k / top-p / min-p,
+processors with ``order >= ORDER_TRUNCATE`` (typical-p), then `repair_non_finite`,
+so that the sampler always draws from a distribution: every row finite or -inf (a
+ban) with at least one finite entry.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import torch
 from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugin.registry import Registry
 from ember.sampling_params import SamplingParams
+
+# Set on the tensor the old-style `LogitsPipeline.__call__` returns: the sampler then
+# only draws from it (see `__call__`).
+LEGACY_PROCESSED_ATTR = "_ember_fully_processed"
 
 
 class LogitsPipeline:
@@ -33,8 +39,14 @@ class LogitsPipeline:
             if processor.name in self._by_name:
                 raise ValueError(f"two logits processors are named {processor.name!r}")
             self._by_name[processor.name] = processor
+        # field -> the processor that implements it (first by order)
+        self._by_field: dict[str, BaseLogitsProcessor] = {}
+        for processor in self.processors:
+            for name in processor.params_fields:
+                self._by_field.setdefault(name, processor)
         # request id -> positions in `self.processors` it was added to (and runs through)
         self._active: dict[str, tuple[int, ...]] = {}
+        self._legacy_sampler = None
 
     @classmethod
     def from_registry(
@@ -66,18 +78,29 @@ class LogitsPipeline:
     def names(self) -> list[str]:
         return [p.name for p in self.processors]
 
+    @property
+    def served_fields(self) -> frozenset[str]:
+        """The SamplingParams fields (of ``PLUGIN_FIELDS``) that loaded processors implement."""
+        return frozenset(self._by_field)
+
     def validate(self, params: SamplingParams) -> None:
         """Raise ValueError if a processor the request needs is missing or refuses it."""
-        for name in params.logits_processor_names:
-            processor = self._by_name.get(name)
-            if processor is None:
-                known = ", ".join(sorted(self._by_name)) or "none"
-                what = f"extra[{name!r}]" if name in params.extra else "a sampling parameter"
+        known = ", ".join(sorted(self._by_name)) or "none"
+        for name in params.plugin_fields_used:
+            if name not in self._by_field:
                 raise ValueError(
-                    f"{what} needs the logits processor {name!r}, which is not loaded "
+                    f"{name}={getattr(params, name)!r} needs a logits processor plugin that implements {name!r}, "
+                    f"which is not loaded (a plugin disabled or not installed?); loaded processors: {known}"
+                )
+        for name in params.extra:
+            if name not in self._by_name:
+                raise ValueError(
+                    f"extra[{name!r}] needs the logits processor {name!r}, which is not loaded "
                     f"(a plugin disabled or not installed?); loaded: {known}"
                 )
-            processor.validate(params)
+        for processor in self.processors:
+            if processor.is_enabled(params):
+                processor.validate(params)
 
     def remove_request(self, request_id: str) -> None:
         """The request finished or was aborted: its processors drop their state."""
@@ -88,14 +111,21 @@ class LogitsPipeline:
     def num_active_requests(self) -> int:
         return len(self._active)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """``logits``: ``(len(rows), vocab)`` float32, owned by the pipeline from now
-        on (it may be changed in place). Returns the processed logits, same shape."""
+    def apply(
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+        min_order: int | None = None, max_order: int | None = None,
+    ) -> torch.Tensor:
+        """Run the processors with ``min_order <= order < max_order`` (None: no bound)
+        over the rows that use them, in order; each is called once, with exactly
+        those rows, or not at all. ``logits``: ``(len(rows), vocab)`` float32, changed
+        in place where the rows are a subset; returns the result, same shape."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         rows_of: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             for k in self._processors_of(row):
-                rows_of.setdefault(k, []).append(i)
+                order = self.processors[k].order
+                if (min_order is None or order >= min_order) and (max_order is None or order < max_order):
+                    rows_of.setdefault(k, []).append(i)
         for k in sorted(rows_of):
             processor, indices = self.processors[k], rows_of[k]
             if len(indices) == len(rows):
@@ -105,19 +135,31 @@ class LogitsPipeline:
                 sub = processor.apply(logits.index_select(0, index), [rows[i] for i in indices])
                 logits.index_copy_(0, index, sub)
             assert logits.shape[0] == len(rows), f"logits processor {processor.name!r} changed the batch size"
-        return repair_non_finite(logits)
+        return logits
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Deprecated: the old runner's ``sampler(pipeline(logits, rows), rows)``.
+        Does all of the sampler's processing (core and processors) and marks the
+        result, so that a ``Sampler`` called on it only draws. Goes away when the
+        runner calls ``Sampler(vocab_size, seed, greedy_op, pipeline)(logits, rows)``."""
+        from ember.sampler import Sampler  # the sampler imports this module
+
+        if self._legacy_sampler is None:
+            self._legacy_sampler = Sampler(logits.shape[-1], pipeline=self)
+        processed = self._legacy_sampler.process(logits.float(), rows)
+        setattr(processed, LEGACY_PROCESSED_ATTR, True)
+        return processed
 
     def _processors_of(self, row: SamplingRow) -> tuple[int, ...]:
         active = self._active.get(row.request_id)
         if active is None:
             params = row.params
-            names = params.logits_processor_names
-            missing = [n for n in names if n not in self._by_name]
+            missing = [n for n in params.extra if n not in self._by_name]
             if missing:  # validate() refuses these; a request that skipped it fails here
                 raise ValueError(f"request {row.request_id!r} needs logits processor(s) {missing}, not loaded")
             active = tuple(
                 k for k, p in enumerate(self.processors)
-                if p.name in names and not (params.is_greedy and p.is_argmax_invariant)
+                if p.is_enabled(params) and not (params.is_greedy and p.is_argmax_invariant)
             )
             for k in active:
                 self.processors[k].add_request(row.request_id, params, row.prompt_token_ids)

@@ -1,16 +1,18 @@
-"""The logits-processor contract: what a built-in or third-party processor implements.
+"""The logits-processor contract: what a plugin's processor implements.
 
-A processor is registered by class through the ``ember_register_logits_processors``
+The standard controls (temperature, top-k, top-p, min-p, penalties, logit_bias, bad
+words, min_tokens) are core's own, in :class:`ember.sampler.Sampler`. A processor is
+what a plugin adds: registered by class through the ``ember_register_logits_processors``
 hook (``registry.register(MyProcessor.name, MyProcessor)``). The engine builds one
 instance of every registered class when it is constructed, orders them into a
-:class:`ember.logits_pipeline.LogitsPipeline`, and from then on calls the instances
-directly, once per step, on whole batches: no hook call per token.
+:class:`ember.logits_pipeline.LogitsPipeline`, and from then on the sampler calls the
+instances directly, once per step, on whole batches: no hook call per token.
 
-A processor applies to a request when its name is one of the request's
-``SamplingParams.logits_processor_names``: the built-in names follow from the
-standard fields (``repetition_penalty != 1`` switches on ``"repetition_penalty"``),
-and a third party's processor is switched on by its name as a key of
-``SamplingParams.extra``, whose value is that request's parameters for it.
+A processor applies to a request when its :meth:`BaseLogitsProcessor.is_enabled`
+says so: by default when its name is a key of ``SamplingParams.extra`` (whose value
+is that request's parameters for it). A processor that implements one of the
+SamplingParams fields core leaves to plugins (``sampling_params.PLUGIN_FIELDS``, e.g.
+``typical_p``) declares it in ``params_fields`` and switches itself on from it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import torch
 
 from ember.sampling_params import SamplingParams
 
-# Where a processor runs in the pipeline (lower first; ties by name). The bands
-# follow transformers' `generate`: logits adjustments, then temperature, then the
-# truncations, so that truncation sees the final shape of the distribution.
-ORDER_ADJUST = 100  # logit_bias, penalties, bad words, min_tokens, third parties by default
+# Where a processor runs (lower first; ties by name), between core's steps, which
+# follow transformers' `generate`: adjustments, then temperature, then truncations,
+# so that truncation sees the final shape of the distribution. A processor with
+#   order < ORDER_TEMPERATURE runs after core's adjustments (logit_bias, penalties,
+#       bad words, min_tokens) and before temperature;
+#   ORDER_TEMPERATURE <= order < ORDER_TRUNCATE after temperature, before top-k;
+#   order >= ORDER_TRUNCATE after core's top-k, top-p and min-p (typical-p does).
+ORDER_ADJUST = 100  # the default
 ORDER_TEMPERATURE = 200
-ORDER_TRUNCATE = 300  # top-k, top-p, min-p, typical-p
+ORDER_TRUNCATE = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +79,7 @@ class LogitsProcessorContext:
 class BaseLogitsProcessor(abc.ABC):
     """A batch-level logits processor.
 
-    Lifecycle, for each request the processor applies to (its name is in the
-    request's ``params.logits_processor_names``):
+    Lifecycle, for each request the processor applies to (:meth:`is_enabled`):
 
     1. :meth:`validate` when the request is submitted (from any thread; it must not
        touch per-request state);
@@ -85,14 +90,18 @@ class BaseLogitsProcessor(abc.ABC):
     4. :meth:`remove_request` once, after its last step (finished, stopped or aborted).
 
     Rows of greedy requests (``temperature == 0``) never reach a processor whose
-    ``is_argmax_invariant`` is True (the built-in temperature and truncations are not
-    even switched on for them: greedy ignores them, as transformers' ``generate``
-    does), and a processor none of whose requests is in a step is not called at all:
-    an all-greedy batch without penalties costs nothing.
+    ``is_argmax_invariant`` is True, and a processor none of whose requests is in a
+    step is not called at all: an all-greedy batch without adjustments costs nothing.
+    A request may have several rows in one step (speculative decoding verifies
+    several positions at once), each with its own ``output_token_ids``.
     """
 
-    #: The registry name; a request switches the processor on by this name.
+    #: The registry name; a request switches the processor on by this name (by default).
     name: ClassVar[str]
+    #: The SamplingParams fields this processor implements, among those core leaves
+    #: to plugins (``ember.sampling_params.PLUGIN_FIELDS``), e.g. ``("typical_p",)``.
+    #: A request that sets such a field is refused when no loaded processor declares it.
+    params_fields: ClassVar[tuple[str, ...]] = ()
     #: Where the processor runs in the pipeline: see ``ORDER_*`` above.
     order: ClassVar[int] = ORDER_ADJUST
     #: True when :meth:`apply` never changes which token has the largest logit in a
@@ -102,10 +111,17 @@ class BaseLogitsProcessor(abc.ABC):
     def __init__(self, context: LogitsProcessorContext) -> None:
         self.context = context
 
+    @classmethod
+    def is_enabled(cls, params: SamplingParams) -> bool:
+        """Does a request with ``params`` run through this processor? By default when
+        ``params.extra`` has a key named :attr:`name`; a processor of
+        :attr:`params_fields` answers from those fields. Cheap and stateless."""
+        return cls.name in params.extra
+
     def validate(self, params: SamplingParams) -> None:
-        """Raise ValueError naming the offending value if ``params`` (whose
-        ``logits_processor_names`` hold this processor's name) cannot be served,
-        e.g. a token id outside ``context.vocab_size``. Stateless."""
+        """Raise ValueError naming the offending value if ``params`` (for which
+        :meth:`is_enabled` is True) cannot be served, e.g. a token id outside
+        ``context.vocab_size``. Stateless."""
 
     def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
         """A request joins: build its per-request state (the prompt's token set, a

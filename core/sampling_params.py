@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ember.logprobs import MAX_LOGPROBS
@@ -14,12 +14,10 @@ MAX_PARALLEL_SAMPLES = 16
 # overflow to infinity, and the limit of sampling as temperature -> 0 is the argmax.
 GREEDY_TEMPERATURE = 1e-5
 
-# Names of the built-in logits processors that the standard fields switch on (see
-# `SamplingParams.logits_processor_names`); a key of `extra` may not take them.
-BUILTIN_PROCESSOR_NAMES = (
-    "logit_bias", "repetition_penalty", "frequency_presence_penalty", "bad_words", "min_tokens",
-    "temperature", "top_k", "top_p", "min_p", "typical_p",
-)
+# The fields core's sampler does not implement: a loaded logits processor that
+# declares the field in its `params_fields` does (the `logits_typical` plugin for
+# typical_p). A request setting one to a non-default value is refused when none does.
+PLUGIN_FIELDS = ("typical_p",)
 
 
 def _is_number(value: Any) -> bool:
@@ -43,8 +41,8 @@ class SamplingParams:
     `stop` strings end generation when they appear in the text; the text is cut
     before the stop string unless `include_stop_str_in_output`.
 
-    Logits processors (docs/sampling.md has the full reference): `typical_p` in
-    (0, 1] (1 disables), `min_p` in [0, 1] (0 disables), `repetition_penalty` > 0
+    Logits adjustments (docs/sampling.md has the full reference): `typical_p` in
+    (0, 1] (1 disables; implemented by a plugin, PLUGIN_FIELDS), `min_p` in [0, 1] (0 disables), `repetition_penalty` > 0
     (1 disables; transformers' semantics over prompt and output tokens),
     `frequency_penalty` and `presence_penalty` in [-2, 2] (OpenAI's semantics over
     output tokens), `logit_bias` {token id: bias added to its logit},
@@ -83,8 +81,6 @@ class SamplingParams:
     # candidates; they share the prompt's KV blocks (docs/sampling.md).
     n: int = 1
     best_of: int | None = None
-    # Derived in __post_init__: the logits processors this request runs through.
-    logits_processor_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
@@ -102,7 +98,6 @@ class SamplingParams:
             raise ValueError(f"bad_words_token_ids must be a list of token-id lists, got {words!r}")
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
         self.validate()
-        object.__setattr__(self, "logits_processor_names", self._processor_names())
 
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range value."""
@@ -167,30 +162,21 @@ class SamplingParams:
         for key in self.extra:
             if not isinstance(key, str) or not key:
                 raise ValueError(f"extra keys must be non-empty logits-processor names, got {key!r}")
-            if key in BUILTIN_PROCESSOR_NAMES:
-                raise ValueError(f"extra key {key!r} names a built-in processor; use its sampling parameter instead")
+            if key in _FIELD_NAMES:
+                raise ValueError(f"extra key {key!r} is a sampling parameter; set SamplingParams.{key} instead")
 
-    def _processor_names(self) -> tuple[str, ...]:
-        """Built-in processors switched on by the standard fields, then `extra`'s keys.
+    @property
+    def logits_processor_names(self) -> tuple[str, ...]:
+        """The processors this request names through `extra` (its keys). Processors
+        that implement a PLUGIN_FIELDS field switch on from it instead
+        (`BaseLogitsProcessor.is_enabled`); see `plugin_fields_used`."""
+        return tuple(self.extra)
 
-        Greedy requests ignore temperature and the truncations (as transformers'
-        `generate` applies its warpers only when sampling): typical-p may drop the
-        most likely token, which greedy decoding must not see.
-        """
-        is_sampling = not self.is_greedy
-        is_on = {
-            "logit_bias": bool(self.logit_bias),
-            "repetition_penalty": self.repetition_penalty != 1.0,
-            "frequency_presence_penalty": self.frequency_penalty != 0.0 or self.presence_penalty != 0.0,
-            "bad_words": bool(self.bad_words_token_ids),
-            "min_tokens": self.min_tokens > 0,
-            "temperature": is_sampling and self.temperature != 1.0,
-            "top_k": is_sampling and self.top_k > 0,
-            "top_p": is_sampling and self.top_p < 1.0,
-            "min_p": is_sampling and self.min_p > 0.0,
-            "typical_p": is_sampling and self.typical_p < 1.0,
-        }
-        return tuple(name for name in BUILTIN_PROCESSOR_NAMES if is_on[name]) + tuple(self.extra)
+    @property
+    def plugin_fields_used(self) -> tuple[str, ...]:
+        """The PLUGIN_FIELDS this request sets to a non-default value: each needs a
+        loaded processor that declares it (`LogitsPipeline.validate`)."""
+        return tuple(name for name in PLUGIN_FIELDS if getattr(self, name) != _PLUGIN_FIELD_DEFAULTS[name])
 
     @property
     def num_samples(self) -> int:
@@ -200,3 +186,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+_PLUGIN_FIELD_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name in PLUGIN_FIELDS}

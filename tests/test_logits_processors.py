@@ -1,9 +1,11 @@
-"""The logits-processor plugins: each built-in against transformers' processor or warper
-(or hand-computed values) on random logits with different parameters per row; the
-pipeline's order, greedy skipping and per-request state as requests join and leave;
-seeded sampling independent of batch mates and, by a chi-square test, faithful to the
-processed distribution; discovery through entry points; the example plugin's
-``ban_digits`` switched on per request; transformers' `generate` on a tiny model."""
+"""Logits processing: each of core's controls (ember.sampler) and the ``typical_p``
+plugin against transformers' processor or warper (or hand-computed values) on random
+logits with different parameters per row; the pipeline's bands, greedy skipping and
+per-request state as requests join and leave; seeded sampling independent of batch
+mates and, by a chi-square test, faithful to the processed distribution; discovery
+through entry points; the example plugin's ``ban_digits`` switched on per request;
+transformers' `generate` on a tiny model. tests/test_sampler.py has the batched
+sampler's own tests (mixed batches, skipped operations, generators)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ from ember import SamplingParams
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugin import create_plugin_manager
-from ember.plugins.logits import masks, penalties, warpers
+from ember.plugins.logits.typical import TypicalP
 from ember.sampler import Sampler
 from ember.testing import check_logits_processor
 
 VOCAB = 64
 EOS = (1,)
 CONTEXT = LogitsProcessorContext(vocab_size=VOCAB, eos_token_ids=EOS)
-BUILTINS = {cls.name: cls for cls in masks.PROCESSORS + penalties.PROCESSORS + warpers.PROCESSORS}
 NEG_INF = float("-inf")
 
 
@@ -45,12 +46,17 @@ def make_rows(params: list[SamplingParams], seed: int = 0) -> list[SamplingRow]:
     return rows
 
 
-def apply(cls: type[BaseLogitsProcessor], logits: torch.Tensor, rows: list[SamplingRow], context=CONTEXT):
-    processor = cls(context)
+def create_sampler(context: LogitsProcessorContext = CONTEXT, seed: int | None = None) -> Sampler:
+    """Core's sampler with the built-in typical_p plugin, as the engine builds it."""
+    return Sampler(context.vocab_size, seed, pipeline=LogitsPipeline([TypicalP(context)]))
+
+
+def process(logits: torch.Tensor, rows: list[SamplingRow], sampler: Sampler | None = None) -> torch.Tensor:
+    """The processed logits (without drawing) of a fresh sampler, or of ``sampler``."""
+    sampler = sampler or create_sampler()
     for row in rows:
-        processor.validate(row.params)
-        processor.add_request(row.request_id, row.params, row.prompt_token_ids)
-    return processor.apply(logits.clone(), rows)
+        sampler.validate(row.params)
+    return sampler.process(logits.clone(), rows)
 
 
 def input_ids(row: SamplingRow) -> torch.Tensor:
@@ -64,7 +70,7 @@ def assert_same(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     torch.testing.assert_close(ours[kept], theirs[kept], rtol=0, atol=0)
 
 
-# -- each processor against transformers --------------------------------------------------
+# -- each control against transformers ------------------------------------------------------
 
 WARPER_CASES = [
     ("temperature", "temperature", [0.3, 0.7, 1.5, 2.0], lambda v: hf.TemperatureLogitsWarper(v)),
@@ -80,7 +86,7 @@ WARPER_CASES = [
 def test_warpers_match_transformers_row_by_row(name, field, values, make_hf, seed):
     rows = make_rows([SamplingParams(**{field: v}) for v in values], seed)
     logits = random_logits(len(rows), seed)
-    ours = apply(BUILTINS[name], logits, rows)
+    ours = process(logits, rows)
     for i, (row, value) in enumerate(zip(rows, values)):
         theirs = make_hf(value)(input_ids(row), logits[i : i + 1].clone())[0]
         assert_same(ours[i], theirs)
@@ -93,7 +99,7 @@ def test_repetition_penalty_matches_transformers(seed):
     penalties_per_row = [0.5, 1.2, 2.0, 1.05]
     rows = make_rows([SamplingParams(repetition_penalty=v) for v in penalties_per_row], seed)
     logits = random_logits(len(rows), seed)
-    ours = apply(BUILTINS["repetition_penalty"], logits, rows)
+    ours = process(logits, rows)
     for i, (row, value) in enumerate(zip(rows, penalties_per_row)):
         theirs = hf.RepetitionPenaltyLogitsProcessor(value)(input_ids(row), logits[i : i + 1].clone())[0]
         assert torch.equal(ours[i], theirs)
@@ -101,11 +107,10 @@ def test_repetition_penalty_matches_transformers(seed):
 
 def test_repetition_penalty_state_follows_the_output_step_by_step():
     row = SamplingRow("r", SamplingParams(repetition_penalty=1.7), [3, 4, 4], [], EOS)
-    processor = penalties.RepetitionPenalty(CONTEXT)
-    processor.add_request("r", row.params, row.prompt_token_ids)
+    sampler = create_sampler()
     for step in range(6):
         logits = random_logits(1, 10 + step)
-        ours = processor.apply(logits.clone(), [row])
+        ours = sampler.process(logits.clone(), [row])
         theirs = hf.RepetitionPenaltyLogitsProcessor(1.7)(input_ids(row), logits.clone())
         assert torch.equal(ours, theirs), step
         row.output_token_ids.extend([7 + step, 3][: 1 + step % 2])  # one or two tokens a step
@@ -129,7 +134,7 @@ def test_bad_words_match_transformers(seed):
     rows[3].prompt_token_ids.extend([13, 14, 15])
     rows[3].output_token_ids.clear()
     logits = random_logits(len(rows), seed)
-    ours = apply(BUILTINS["bad_words"], logits, rows)
+    ours = process(logits, rows)
     for i, (row, words) in enumerate(zip(rows, words_per_row)):
         theirs = hf.NoBadWordsLogitsProcessor(words)(input_ids(row), logits[i : i + 1].clone())[0]
         assert_same(ours[i], theirs)
@@ -147,7 +152,7 @@ def test_min_tokens_matches_transformers():
     params = [SamplingParams(min_tokens=m, stop_token_ids=s, ignore_eos=e, max_tokens=8) for m, s, e, _ in cases]
     rows = [SamplingRow(f"r{i}", p, [4, 5], list(range(20, 20 + n)), EOS) for i, (p, (*_, n)) in enumerate(zip(params, cases))]
     logits = random_logits(len(rows), 0)
-    ours = apply(BUILTINS["min_tokens"], logits, rows)
+    ours = process(logits, rows)
     for i, (row, (min_tokens, stops, ignore_eos, _)) in enumerate(zip(rows, cases)):
         banned = list(stops) + ([] if ignore_eos else list(EOS))
         theirs = hf.MinNewTokensLengthLogitsProcessor(2, min_tokens, banned)(input_ids(row), logits[i : i + 1].clone())
@@ -171,7 +176,7 @@ def test_frequency_and_presence_penalty_exact():
         SamplingRow("c", params[2], [8, 9], [], EOS),
     ]
     logits = torch.zeros(3, VOCAB)
-    ours = apply(BUILTINS["frequency_presence_penalty"], logits, rows)
+    ours = process(logits, rows)
     expected = torch.zeros(3, VOCAB)
     expected[0, 3] = -(3 * 0.5 + 0.25)
     expected[0, 5] = -(1 * 0.5 + 0.25)
@@ -180,13 +185,12 @@ def test_frequency_and_presence_penalty_exact():
     assert torch.equal(ours, expected)
 
 
-def test_frequency_penalty_counts_grow_incrementally():
+def test_frequency_penalty_counts_follow_the_output():
     row = SamplingRow("a", SamplingParams(frequency_penalty=1.0), [1], [], EOS)
-    processor = penalties.FrequencyPresencePenalty(CONTEXT)
-    processor.add_request("a", row.params, row.prompt_token_ids)
+    sampler = create_sampler()
     seen = []
     for token in [4, 4, 9, 4]:
-        out = processor.apply(torch.zeros(1, VOCAB), [row])
+        out = sampler.process(torch.zeros(1, VOCAB), [row])
         assert out[0, 4] == -seen.count(4) and out[0, 9] == -seen.count(9)
         row.output_token_ids.append(token)
         seen.append(token)
@@ -196,17 +200,20 @@ def test_logit_bias_exact_and_validated():
     params = [SamplingParams(logit_bias={3: 5.0, 10: -100.0}), SamplingParams(logit_bias={3: -2.5, 63: 0.5})]
     rows = make_rows(params)
     logits = random_logits(2, 0)
-    ours = apply(BUILTINS["logit_bias"], logits, rows)
+    ours = process(logits, rows)
     expected = logits.clone()
     expected[0, 3] += 5.0
     expected[0, 10] += -100.0
     expected[1, 3] += -2.5
     expected[1, 63] += 0.5
     assert torch.equal(ours, expected)
+    sampler = create_sampler()
     with pytest.raises(ValueError, match=r"logit_bias token id 64 is outside the vocabulary \[0, 64\)"):
-        masks.LogitBias(CONTEXT).validate(SamplingParams(logit_bias={64: 1.0}))
+        sampler.validate(SamplingParams(logit_bias={64: 1.0}))
     with pytest.raises(ValueError, match=r"bad_words_token_ids token id 99 is outside the vocabulary"):
-        masks.BadWords(CONTEXT).validate(SamplingParams(bad_words_token_ids=[[1, 99]]))
+        sampler.validate(SamplingParams(bad_words_token_ids=[[1, 99]]))
+    with pytest.raises(ValueError, match=r"stop_token_ids token id 64 is outside the vocabulary"):
+        sampler.validate(SamplingParams(stop_token_ids=[3, 64]))
 
 
 @pytest.mark.parametrize(
@@ -228,7 +235,8 @@ def test_logit_bias_exact_and_validated():
         ({"bad_words_token_ids": [[1, -2]]}, r"non-negative token ids, got \[1, -2\]"),
         ({"bad_words_token_ids": [5]}, "bad_words_token_ids must be a list of token-id lists"),
         ({"extra": {"": 1}}, "extra keys must be non-empty logits-processor names"),
-        ({"extra": {"top_k": 3}}, "extra key 'top_k' names a built-in processor"),
+        ({"extra": {"top_k": 3}}, r"extra key 'top_k' is a sampling parameter; set SamplingParams.top_k instead"),
+        ({"extra": {"typical_p": 0.5}}, "extra key 'typical_p' is a sampling parameter"),
         ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
     ],
 )
@@ -237,13 +245,17 @@ def test_bad_processor_params_name_the_value(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_processor_names_follow_the_fields():
-    assert SamplingParams().logits_processor_names == ()
-    # greedy requests ignore temperature and the truncations, as transformers' generate does
-    assert SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.1, typical_p=0.5).logits_processor_names == ()
-    assert SamplingParams(temperature=0, repetition_penalty=1.2).logits_processor_names == ("repetition_penalty",)
+def test_plugin_fields_and_processor_names():
+    assert SamplingParams().logits_processor_names == () and SamplingParams().plugin_fields_used == ()
     p = SamplingParams(temperature=0.5, top_p=0.9, min_tokens=2, presence_penalty=0.1, extra={"ban_digits": True})
-    assert p.logits_processor_names == ("frequency_presence_penalty", "min_tokens", "temperature", "top_p", "ban_digits")
+    assert p.logits_processor_names == ("ban_digits",)  # core's controls are no processors
+    assert p.plugin_fields_used == ()
+    assert SamplingParams(typical_p=0.5).plugin_fields_used == ("typical_p",)
+    # typical_p switches its processor on for sampled requests only, as transformers' generate
+    assert TypicalP.params_fields == ("typical_p",)
+    assert TypicalP.is_enabled(SamplingParams(typical_p=0.5))
+    assert not TypicalP.is_enabled(SamplingParams(typical_p=0.5, temperature=0))
+    assert not TypicalP.is_enabled(SamplingParams())
     assert SamplingParams(logit_bias={1: 0.0}) == SamplingParams(logit_bias={1: 0.0})
 
 
@@ -270,7 +282,7 @@ def spy(name: str, order: int, invariant: bool) -> type[Spy]:
     return type(f"Spy_{name}", (Spy,), {"name": name, "order": order, "is_argmax_invariant": invariant})
 
 
-def test_pipeline_order_greedy_skip_and_request_lifecycle():
+def test_pipeline_order_bands_greedy_skip_and_request_lifecycle():
     Spy.calls = []
     late, early = spy("late_trunc", 300, True), spy("early_adjust", 100, False)
     pipeline = LogitsPipeline([late(CONTEXT), early(CONTEXT)])
@@ -281,7 +293,7 @@ def test_pipeline_order_greedy_skip_and_request_lifecycle():
     plain = SamplingRow("p", SamplingParams(temperature=0), [1], [], EOS)
 
     logits = torch.zeros(3, VOCAB)
-    out = pipeline(logits, [greedy, sampled, plain])
+    out = pipeline.apply(logits, [greedy, sampled, plain])
     assert Spy.calls == [
         ("add:early_adjust", ["g"]),
         ("add:early_adjust", ["s"]), ("add:late_trunc", ["s"]),
@@ -290,11 +302,17 @@ def test_pipeline_order_greedy_skip_and_request_lifecycle():
     ]
     assert out[:, 0].tolist() == [1.0, 2.0, 0.0]
 
+    Spy.calls = []  # one band at a time, as the sampler runs them
+    pipeline.apply(torch.zeros(2, VOCAB), [greedy, sampled], None, 200)
+    assert Spy.calls == [("early_adjust", ["g", "s"])]
     Spy.calls = []
-    pipeline(torch.zeros(2, VOCAB), [greedy, plain])  # no sampled row: late_trunc is not called at all
+    pipeline.apply(torch.zeros(2, VOCAB), [greedy, sampled], 300, None)
+    assert Spy.calls == [("late_trunc", ["s"])]
+    Spy.calls = []
+    pipeline.apply(torch.zeros(2, VOCAB), [greedy, plain])  # no sampled row: late_trunc is not called at all
     assert Spy.calls == [("early_adjust", ["g"])]
     Spy.calls = []
-    pipeline(torch.zeros(1, VOCAB), [plain])
+    pipeline.apply(torch.zeros(1, VOCAB), [plain])
     assert Spy.calls == []
     pipeline.remove_request("s")
     pipeline.remove_request("p")
@@ -304,19 +322,14 @@ def test_pipeline_order_greedy_skip_and_request_lifecycle():
     assert pipeline.num_active_requests == 0
 
 
-def test_pipeline_runs_every_builtin_in_transformers_order():
-    pipeline = LogitsPipeline([cls(CONTEXT) for cls in BUILTINS.values()])
-    assert pipeline.names == [
-        "logit_bias", "repetition_penalty", "frequency_presence_penalty", "bad_words", "min_tokens",
-        "temperature", "top_k", "top_p", "min_p", "typical_p",
-    ]
+def test_sampler_runs_every_control_in_transformers_order():
     params = SamplingParams(
         logit_bias={5: 2.0, 6: -1.0}, repetition_penalty=1.3, bad_words_token_ids=[[7], [8, 9]], min_tokens=4,
         temperature=0.8, top_k=30, top_p=0.95, min_p=0.01, typical_p=0.98, max_tokens=8,
     )
     row = SamplingRow("r", params, [5, 8, 11], [12, 8], EOS)
     logits = random_logits(1, 3)
-    ours = pipeline(logits.clone(), [row])
+    ours = process(logits, [row])
     theirs = hf.LogitsProcessorList([
         hf.SequenceBiasLogitsProcessor([[[5], 2.0], [[6], -1.0]]),
         hf.RepetitionPenaltyLogitsProcessor(1.3),
@@ -333,24 +346,27 @@ def test_pipeline_runs_every_builtin_in_transformers_order():
 
 
 def test_pipeline_refuses_what_it_cannot_serve():
-    pipeline = LogitsPipeline([warpers.TopK(CONTEXT)])
-    pipeline.validate(SamplingParams(top_k=3))
-    with pytest.raises(ValueError, match="needs the logits processor 'typical_p', which is not loaded.*loaded: top_k"):
-        pipeline.validate(SamplingParams(typical_p=0.5))
-    with pytest.raises(ValueError, match=r"extra\['nope'\] needs the logits processor 'nope'"):
+    pipeline = LogitsPipeline([TypicalP(CONTEXT)])
+    assert pipeline.served_fields == {"typical_p"}
+    pipeline.validate(SamplingParams(typical_p=0.5))
+    empty = LogitsPipeline([])
+    empty.validate(SamplingParams(temperature=0.5, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.2))
+    with pytest.raises(ValueError, match=r"typical_p=0.5 needs a logits processor plugin that implements 'typical_p', "
+                                         r"which is not loaded .*loaded processors: none"):
+        empty.validate(SamplingParams(typical_p=0.5))
+    with pytest.raises(ValueError, match=r"extra\['nope'\] needs the logits processor 'nope'.*loaded: typical_p"):
         pipeline.validate(SamplingParams(extra={"nope": 1}))
-    with pytest.raises(ValueError, match="two logits processors are named 'top_k'"):
-        LogitsPipeline([warpers.TopK(CONTEXT), warpers.TopK(CONTEXT)])
+    with pytest.raises(ValueError, match="two logits processors are named 'typical_p'"):
+        LogitsPipeline([TypicalP(CONTEXT), TypicalP(CONTEXT)])
 
 
 def test_requests_joining_and_leaving_keep_their_own_state():
-    """Stateful processors over a changing batch give each row what a fresh processor,
-    fed that request alone, gives."""
-    pipeline = LogitsPipeline([cls(CONTEXT) for cls in BUILTINS.values()])
+    """A changing batch gives each row what a fresh sampler, fed that request alone, gives."""
+    sampler = create_sampler()
     params = {
         "a": SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, temperature=0),
         "b": SamplingParams(presence_penalty=1.0, logit_bias={2: 3.0}, bad_words_token_ids=[[4, 5]], temperature=0),
-        "c": SamplingParams(repetition_penalty=0.8, temperature=0),
+        "c": SamplingParams(repetition_penalty=0.8, temperature=0.9, typical_p=0.7, seed=4),
     }
     prompts = {"a": [1, 2, 2], "b": [4], "c": [5, 6, 7, 7]}
     # (step, ids in the batch): b joins at 1, a leaves after 2, a comes back (new request, same id) at 4
@@ -358,41 +374,25 @@ def test_requests_joining_and_leaving_keep_their_own_state():
     outputs: dict[str, list[int]] = {}
     for step, ids in enumerate(schedule):
         if step == 3:
-            pipeline.remove_request("a")
+            sampler.remove_request("a")
             outputs.pop("a")
             prompts["a"] = [9, 9, 3]
         rows = [SamplingRow(i, params[i], prompts[i], outputs.setdefault(i, []), EOS) for i in ids]
         logits = random_logits(len(rows), 100 + step)
-        out = pipeline(logits.clone(), rows)
+        out = sampler.process(logits.clone(), rows)
         for k, row in enumerate(rows):
-            alone = LogitsPipeline([cls(CONTEXT) for cls in BUILTINS.values()])
             fresh_row = SamplingRow(row.request_id, row.params, row.prompt_token_ids, list(row.output_token_ids), EOS)
-            assert torch.equal(out[k], alone(logits[k : k + 1].clone(), [fresh_row])[0]), (step, row.request_id)
+            assert torch.equal(out[k], process(logits[k : k + 1], [fresh_row])[0]), (step, row.request_id)
         for k, row in enumerate(rows):
             row.output_token_ids.append(int(out[k].argmax()))
+    assert sampler.pipeline.num_active_requests == 3
     for request_id in ["a", "b", "c"]:
-        pipeline.remove_request(request_id)
-    assert pipeline.num_active_requests == 0
-    for processor in pipeline.processors:  # nothing left behind
-        assert not any(getattr(processor, attr, None) for attr in ("_state", "_biases", "_words"))
+        sampler.remove_request(request_id)
+    assert sampler.pipeline.num_active_requests == 0
 
 
-@pytest.mark.parametrize("name", sorted(BUILTINS))
-def test_builtins_pass_the_conformance_check(name):
-    cls = BUILTINS[name]
-    params = {
-        "temperature": [SamplingParams(temperature=t) for t in (0.5, 1.7)],
-        "top_k": [SamplingParams(top_k=k) for k in (1, 7, 100)],
-        "top_p": [SamplingParams(top_p=p) for p in (0.3, 0.9)],
-        "min_p": [SamplingParams(min_p=p) for p in (0.1, 0.6)],
-        "typical_p": [SamplingParams(typical_p=p) for p in (0.3, 0.9)],
-        "repetition_penalty": [SamplingParams(repetition_penalty=p) for p in (0.7, 1.4)],
-        "frequency_presence_penalty": [SamplingParams(frequency_penalty=1.0), SamplingParams(presence_penalty=-0.5)],
-        "logit_bias": [SamplingParams(logit_bias={1: 4.0}), SamplingParams(logit_bias={2: -3.0, 3: 1.0})],
-        "bad_words": [SamplingParams(bad_words_token_ids=[[1], [2, 3]]), SamplingParams(bad_words_token_ids=[[5]])],
-        "min_tokens": [SamplingParams(min_tokens=2, stop_token_ids=[4]), SamplingParams(min_tokens=1)],
-    }[name]
-    check_logits_processor(cls, params)
+def test_typical_p_passes_the_conformance_check():
+    check_logits_processor(TypicalP, [SamplingParams(typical_p=p) for p in (0.3, 0.9)])
 
 
 # -- sampling from the processed distribution ---------------------------------------------------
@@ -410,18 +410,18 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_seeded_samples_follow_the_processed_distribution():
     context = LogitsProcessorContext(vocab_size=16, eos_token_ids=EOS)
-    pipeline = LogitsPipeline([cls(context) for cls in BUILTINS.values()])
     params = SamplingParams(temperature=0.7, top_k=10, top_p=0.97, repetition_penalty=1.3, seed=1234, max_tokens=8)
     row = SamplingRow("chi", params, [0, 3, 5], [], EOS)
     logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(5)) * 1.5
-    probs = pipeline(logits.clone(), [row])[0].softmax(-1)
+    sampler, num_draws = create_sampler(context), 5000
+    probs = sampler.process(logits.clone(), [row])[0].softmax(-1)
     num_kept = int((probs > 0).sum())
     assert 3 <= num_kept <= 10  # the truncations cut something, several tokens remain
-    sampler, num_draws = Sampler(), 5000
     counts = torch.zeros(16)
     for _ in range(num_draws):
-        token = sampler(pipeline(logits.clone(), [row]), [row]).token_ids[0]
-        counts[token] += 1
+        out = sampler(logits.clone(), [row])
+        counts[out.token_ids[0]] += 1
+    assert torch.equal(out.processed[0].softmax(-1), probs)
     assert counts[probs == 0].sum() == 0, "a truncated token was sampled"
     statistic = chi_square(counts, probs)
     assert statistic < CHI2_CRITICAL_0_001[num_kept - 1], statistic
@@ -435,8 +435,7 @@ def test_seeded_sampling_ignores_batch_mates():
     unseeded, other seeds, other processors), samples the same tokens."""
 
     def run(mates_schedule: list[list[SamplingParams]]) -> list[int]:
-        pipeline = LogitsPipeline([cls(CONTEXT) for cls in BUILTINS.values()])
-        sampler = Sampler(seed=None)
+        sampler = create_sampler()
         target = SamplingParams(seed=7, temperature=0.9, top_k=20, top_p=0.9, frequency_penalty=0.5, max_tokens=32)
         row = SamplingRow("target", target, [1, 2, 3], [], EOS)
         mate_outputs: dict[str, list[int]] = {}
@@ -446,7 +445,7 @@ def test_seeded_sampling_ignores_batch_mates():
             rows.insert(len(rows) // 2, row)
             # logits are a function of the request and step only, as a model's would be
             logits = torch.stack([random_logits(1, hash((r.request_id, step)) % 10_000)[0] for r in rows])
-            out = sampler(pipeline(logits, rows), rows)
+            out = sampler(logits, rows)
             for r, token in zip(rows, out.token_ids):
                 r.output_token_ids.append(token)
         return list(row.output_token_ids)
@@ -462,20 +461,22 @@ def test_seeded_sampling_ignores_batch_mates():
 # -- plugins: discovery, the example's ban_digits, the engine ----------------------------------
 
 
-def test_builtins_are_discovered_through_entry_points():
+def test_typical_p_is_discovered_and_disabling_it_breaks_only_typical_p():
     pm = create_plugin_manager()
     registry = pm.registries.logits_processors
-    owners = {name: registry.owner(name) for name in BUILTINS}
-    assert owners == {
-        "logit_bias": "logits_masks", "bad_words": "logits_masks", "min_tokens": "logits_masks",
-        "repetition_penalty": "logits_penalties", "frequency_presence_penalty": "logits_penalties",
-        "temperature": "logits_warpers", "top_k": "logits_warpers", "top_p": "logits_warpers",
-        "min_p": "logits_warpers", "typical_p": "logits_warpers",
-    }
-    assert all(registry.get(name) is cls for name, cls in BUILTINS.items())
-    # disabling a built-in plugin makes the requests that need it fail clearly
-    pm = create_plugin_manager(disabled=["logits_warpers"])
-    assert "top_k" not in pm.registries.logits_processors
+    assert registry.get("typical_p") is TypicalP and registry.owner("typical_p") == "logits_typical"
+    for name in ("temperature", "top_k", "top_p", "min_p", "logit_bias", "repetition_penalty"):
+        assert name not in registry  # core's own: no plugin can take them away
+    # disabling the plugin makes the requests that set typical_p fail clearly, and only those
+    pm = create_plugin_manager(disabled=["logits_typical"])
+    assert "typical_p" not in pm.registries.logits_processors
+    sampler = Sampler(VOCAB, pipeline=LogitsPipeline.from_registry(pm.registries.logits_processors, CONTEXT))
+    params = SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=1)
+    sampler.validate(params)
+    out = sampler(random_logits(1, 0), [SamplingRow("t", params, [1], [], EOS)])
+    assert out.processed.isinf().sum() >= VOCAB - 5  # top-k ran
+    with pytest.raises(ValueError, match=r"typical_p=0.5 needs a logits processor plugin .*not loaded"):
+        sampler.validate(SamplingParams(typical_p=0.5))
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ party runs it against theirs::
     def test_my_processor_conforms():
         check_logits_processor(MyProcessor, [SamplingParams(extra={"my_proc": 1}), ...])
 
-``params`` are requests that switch the processor on (their ``logits_processor_names``
-hold its name), preferably with different parameters. Raises AssertionError describing
+``params`` are requests that switch the processor on (``cls.is_enabled(params)``: by
+default, its name is a key of ``extra``), preferably with different parameters. Raises AssertionError describing
 the first broken rule.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import PLUGIN_FIELDS, SamplingParams
 
 VOCAB_SIZE = 64
 
@@ -31,7 +31,8 @@ def check_logits_processor(
     seed: int = 0,
 ) -> None:
     """Run ``cls`` over a few steps of a batch of ``params`` and check the rules:
-    the class attributes; ``validate`` accepts them; ``apply`` keeps shape and dtype,
+    the class attributes (``params_fields`` only of ``PLUGIN_FIELDS``: core implements
+    the rest); ``validate`` accepts them; ``apply`` keeps shape and dtype,
     makes no NaN, leaves every row a finite logit, and changes no argmax when it says
     it is argmax-invariant; a row's result does not depend on its batch mates (nor
     on their order); requests join and leave without disturbing the others."""
@@ -39,13 +40,21 @@ def check_logits_processor(
     assert isinstance(getattr(cls, "name", None), str) and cls.name, f"{cls.__name__}.name must be a non-empty str"
     assert isinstance(cls.order, int), f"{cls.__name__}.order must be an int"
     assert isinstance(cls.is_argmax_invariant, bool), f"{cls.__name__}.is_argmax_invariant must be a bool"
+    fields = cls.params_fields
+    assert isinstance(fields, tuple) and all(isinstance(f, str) for f in fields), (
+        f"{cls.__name__}.params_fields must be a tuple of SamplingParams field names"
+    )
+    assert set(fields) <= set(PLUGIN_FIELDS), (
+        f"{cls.__name__}.params_fields {fields} names fields core implements itself; plugins may implement "
+        f"{PLUGIN_FIELDS}"
+    )
     assert params, "give at least one SamplingParams that switches the processor on"
     context = context or LogitsProcessorContext(vocab_size=VOCAB_SIZE, eos_token_ids=(1,))
     vocab = context.vocab_size
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for i, p in enumerate(params):
-        assert cls.name in p.logits_processor_names, f"params[{i}] does not switch {cls.name!r} on"
+        assert cls.is_enabled(p) is True, f"params[{i}] does not switch {cls.name!r} on (is_enabled)"
         cls(context).validate(p)
         prompt = torch.randint(0, vocab, (3 + i,), generator=gen).tolist()
         rows.append(SamplingRow(f"req-{i}", p, prompt, [], context.eos_token_ids))

@@ -1,9 +1,9 @@
-"""Ember's built-in logits processors, three plugins registered through Ember's own
-`ember` entry points (pyproject.toml), exactly as a third party registers theirs:
+"""Ember's built-in logits-processor plugin, registered through Ember's own `ember`
+entry points (pyproject.toml), exactly as a third party registers theirs:
 
-- ``logits_masks`` (:mod:`.masks`): logit_bias, bad_words, min_tokens;
-- ``logits_penalties`` (:mod:`.penalties`): repetition_penalty, frequency_presence_penalty;
-- ``logits_warpers`` (:mod:`.warpers`): temperature, top_k, top_p, min_p, typical_p.
+- ``logits_typical`` (:mod:`.typical`): ``typical_p``.
 
-The contract they implement is :class:`ember.logits_processor.BaseLogitsProcessor`.
+The other standard controls (temperature, top-k, top-p, min-p, penalties,
+logit_bias, bad words, min_tokens) are core's own (:mod:`ember.sampler`). The
+contract is :class:`ember.logits_processor.BaseLogitsProcessor`.
 """
