@@ -191,3 +191,33 @@ def test_allowed_token_mask_of_the_wrong_shape_is_refused(llm):
     finally:
         engine.token_masker = None
         engine.abort_all()
+
+
+@pytest.mark.parametrize("stop", [(), ("e",), ("zz", "a b")])
+def test_delta_outputs_concatenate_to_the_cumulative_ones(llm, stop):
+    """DELTA outputs carry only what is new; joined, they are the CUMULATIVE output."""
+    from ember.output_processor import OutputKind
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=20, stop=stop, logprobs=1)
+    finals = {}
+    deltas = {"text": "", "ids": [], "lps": [], "logprobs": []}
+    engine.add_request(None, params, prompt_token_ids=PROMPTS[0], request_id="cum")
+    engine.add_request(None, params, prompt_token_ids=PROMPTS[0], request_id="delta", output_kind=OutputKind.DELTA)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "delta":
+                c = out.outputs[0]
+                assert c.text == out.new_text and c.token_ids == out.new_token_ids
+                deltas["text"] += c.text
+                deltas["ids"] += c.token_ids
+                deltas["lps"] += c.token_logprobs
+                deltas["logprobs"] += c.logprobs
+                if out.finished:
+                    finals["delta"] = c
+            elif out.finished:
+                finals["cum"] = out.outputs[0]
+    cum = finals["cum"]
+    assert deltas["text"] == cum.text and deltas["ids"] == cum.token_ids
+    assert deltas["lps"] == cum.token_logprobs and deltas["logprobs"] == cum.logprobs
+    assert finals["delta"].finish_reason == cum.finish_reason and finals["delta"].stop_reason == cum.stop_reason
