@@ -248,12 +248,12 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """``logit[t] += logit_bias[t]`` (OpenAI; a bias of -100 in effect bans a token)."""
-    row_of = [i for i, row in enumerate(rows) for _ in row.params.logit_bias]
-    ids = [t for row in rows for t in row.params.logit_bias]
-    values = [v for row in rows for v in row.params.logit_bias.values()]
-    device = logits.device
-    index = (torch.tensor(row_of, device=device), torch.tensor(ids, dtype=torch.int64, device=device))
+    """``logit[t] += logit_bias[t]`` (OpenAI; a bias of -100 in effect bans a token).
+    Ids outside the logits are skipped: `Sampler.validate` refuses them on submission."""
+    vocab, device = logits.shape[-1], logits.device
+    pairs = [(i, t, v) for i, row in enumerate(rows) for t, v in row.params.logit_bias.items() if t < vocab]
+    row_of, ids, values = zip(*pairs) if pairs else ((), (), ())
+    index = (torch.tensor(row_of, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device))
     return logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 

@@ -7,6 +7,9 @@ when there is one."""
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar
+
 import pytest
 import torch
 from transformers.generation import logits_process as hf
@@ -159,7 +162,7 @@ def test_rows_of_one_request_draw_from_its_generator_in_row_order():
 class Counting(BaseLogitsProcessor):
     name = "counting"
     order = ORDER_ADJUST
-    calls: list[list[str]] = []
+    calls: ClassVar[list[list[str]]] = []
 
     def apply(self, logits, rows):
         self.calls.append([r.request_id for r in rows])
@@ -248,5 +251,5 @@ def test_non_finite_logits_are_repaired_before_drawing():
     logits[2] = float("-inf")
     params = [SamplingParams(temperature=0), SamplingParams(seed=0), SamplingParams(seed=1)]
     out = Sampler(VOCAB)(logits, make_rows(params))
-    assert out.token_ids[1] == 9 and all(lp == lp for lp in out.logprobs)  # no NaN
+    assert out.token_ids[1] == 9 and not any(math.isnan(lp) for lp in out.logprobs)
     assert out.processed[0, 5] == float("-inf") and out.processed[2].eq(0).all()
