@@ -191,7 +191,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self.logits_pipeline.validate(params)
+        self.runner.sampler.validate(params)
         if prompt_token_ids is None:
             if prompt is None or (isinstance(prompt, str) and not prompt):
                 raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")

@@ -23,8 +23,6 @@ from ember.sampling_params import SamplingParams
 
 # Set on the tensor the old-style `LogitsPipeline.__call__` returns: the sampler then
 # only draws from it (see `__call__`).
-LEGACY_PROCESSED_ATTR = "_ember_fully_processed"
-
 
 class LogitsPipeline:
     """Owns one instance of each processor and which of them each request uses.
@@ -46,7 +44,6 @@ class LogitsPipeline:
                 self._by_field.setdefault(name, processor)
         # request id -> positions in `self.processors` it was added to (and runs through)
         self._active: dict[str, tuple[int, ...]] = {}
-        self._legacy_sampler = None
 
     @classmethod
     def from_registry(
@@ -136,19 +133,6 @@ class LogitsPipeline:
                 logits.index_copy_(0, index, sub)
             assert logits.shape[0] == len(rows), f"logits processor {processor.name!r} changed the batch size"
         return logits
-
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Deprecated: the old runner's ``sampler(pipeline(logits, rows), rows)``.
-        Does all of the sampler's processing (core and processors) and marks the
-        result, so that a ``Sampler`` called on it only draws. Goes away when the
-        runner calls ``Sampler(vocab_size, seed, greedy_op, pipeline)(logits, rows)``."""
-        from ember.sampler import Sampler  # the sampler imports this module
-
-        if self._legacy_sampler is None:
-            self._legacy_sampler = Sampler(logits.shape[-1], pipeline=self)
-        processed = self._legacy_sampler.process(logits.float(), rows)
-        setattr(processed, LEGACY_PROCESSED_ATTR, True)
-        return processed
 
     def _processors_of(self, row: SamplingRow) -> tuple[int, ...]:
         active = self._active.get(row.request_id)

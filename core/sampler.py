@@ -25,7 +25,7 @@ from itertools import chain
 
 import torch
 
-from ember.logits_pipeline import LEGACY_PROCESSED_ATTR, LogitsPipeline, repair_non_finite
+from ember.logits_pipeline import LogitsPipeline, repair_non_finite
 from ember.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, SamplingRow
 from ember.sampling_params import SamplingParams
 
@@ -83,14 +83,11 @@ class Sampler:
         self._generators.pop(request_id, None)
         self.pipeline.remove_request(request_id)
 
-    free = remove_request  # deprecated: the old runner's name
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits``: ``(len(rows), vocab)``, owned by the sampler from now on (changed
         in place). Several rows may share a request id (speculative decoding)."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
-        if getattr(logits, LEGACY_PROCESSED_ATTR, False):  # processed by `LogitsPipeline.__call__`
-            return self.draw(logits, rows)
         return self.draw(self.process(logits.float(), rows), rows)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_the_default_budget_smaller_than_one_request_says_what_to_set(tiny_llama
     import ember.api.server
     from ember.api.cli import main
 
-    monkeypatch.setattr(CPUBackend, "kv_cache_memory_bytes", lambda self, model_bytes: 64 << 10)
+    monkeypatch.setattr(CPUBackend, "kv_cache_memory_bytes", lambda self, model_bytes, activation_bytes=0: 64 << 10)
     monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
     assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (

@@ -229,21 +229,6 @@ def test_validate_names_token_ids_outside_the_vocabulary_and_missing_plugins():
         sampler.validate(SamplingParams(typical_p=0.3))
 
 
-def test_the_old_runner_path_pipeline_then_sampler_gives_the_same_tokens():
-    """Until the runner calls Sampler(..., pipeline=...) itself: pipeline(logits, rows)
-    processes everything and the runner's own sampler only draws."""
-    rows = make_rows(MIXED)
-    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(4)) * 3
-    new = create_sampler()(logits.clone(), rows)
-    pipeline = LogitsPipeline([TypicalP(CONTEXT)])
-    processed = pipeline(logits.clone(), rows)
-    old = Sampler(None)(processed, rows)
-    assert torch.equal(processed, new.processed)
-    for i, row in enumerate(rows):
-        if row.params.is_greedy or row.params.seed is not None:
-            assert old.token_ids[i] == new.token_ids[i]
-
-
 def test_non_finite_logits_are_repaired_before_drawing():
     logits = torch.randn(3, VOCAB)
     logits[0, 5] = float("nan")
