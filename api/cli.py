@@ -161,6 +161,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "cores this process may use, within its cgroup quota, or OMP_NUM_THREADS) [EMBER_NUM_THREADS]",
     )
     limits.add_argument(
+        "--engine-mode", choices=("thread", "process"), default=None,
+        help="where the engine core runs: a thread beside the HTTP event loop, or a process of its own "
+        "talking over a pipe (default thread: faster on small machines, docs/engine-core.md) [EMBER_ENGINE_MODE]",
+    )
+    limits.add_argument(
         "--kv-cache-memory", metavar="SIZE", type=parse_size_option, default=None,
         help="memory for the KV cache, e.g. 512MiB or 2GiB (default: the backend's share of free memory; "
         "CPU: a quarter of available RAM, at most 2 GiB) [EMBER_KV_CACHE_MEMORY]",

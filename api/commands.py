@@ -78,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         max_batch_size=args.max_batch_size,
         num_threads=args.num_threads,
+        engine_mode=args.engine_mode,
         max_stop_sequences=args.max_stop_sequences,
         payload_limit=args.payload_limit,
         disabled_plugins=tuple(args.disable_plugin),

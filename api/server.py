@@ -133,8 +133,10 @@ def build_engine(settings: ServerSettings) -> AsyncLLMEngine:
     from ember.config import EngineConfig
     from ember.engine import LLMEngine
 
-    core = LLMEngine(EngineConfig(**engine_config_kwargs(settings)))
-    return AsyncLLMEngine(core)
+    config = EngineConfig(**engine_config_kwargs(settings))
+    if settings.engine_mode == "process":
+        return AsyncLLMEngine.with_engine_process(config)
+    return AsyncLLMEngine(LLMEngine(config))
 
 
 def create_server(app: Starlette, settings: ServerSettings):

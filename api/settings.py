@@ -65,6 +65,8 @@ class ServerSettings:
     kv_cache_memory: int | None = None  # bytes for the KV cache (default: the backend's share of free memory)
     max_batch_size: int | None = None  # requests running at once (the engine's max_num_seqs)
     num_threads: int | None = None  # host threads of the backend (the engine's num_threads)
+    # Where the engine core runs: "thread" (beside the event loop) or "process" (its own).
+    engine_mode: str = "thread"
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
@@ -104,6 +106,8 @@ class ServerSettings:
             "max_batch_size": self.max_batch_size,
             "num_threads": self.num_threads,
         }
+        if self.engine_mode not in ("thread", "process"):
+            raise ValueError(f"--engine-mode must be 'thread' or 'process', got {self.engine_mode!r}")
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

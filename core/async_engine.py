@@ -1,15 +1,14 @@
-"""The engine loop beside an asyncio event loop.
+"""The engine beside an asyncio event loop: the `EngineClient` the API uses.
 
-`AsyncLLMEngine` owns one `LLMEngine` and runs its steps in a dedicated thread,
-so the event loop (HTTP) never waits on a forward pass. Requests are validated in
-the caller's thread (pure checks: tokenization, lengths, parameters), then handed
-to the engine thread through a command queue; outputs come back through one
-asyncio queue per request. A failing step fails the requests it held, never the
-loop: the engine keeps serving the next requests.
-
-It is the `EngineClient` the API uses. Every read of the `LLMEngine`'s attributes
-happens in this module (``model_info``, ``stats``, the tokenizer methods), so an
-engine that changes its insides updates this one place.
+`AsyncLLMEngine` keeps the request's two ends in the caller's process — validation
+(`ember.input_processor`, in the caller's thread) and the output processor
+(detokenization, stop strings, n/best_of) — and runs the engine core either in a
+thread of this process (``AsyncLLMEngine(engine)``) or in a process of its own
+(``AsyncLLMEngine.with_engine_process(config)``, `ember.engine_process`). Either way
+only values cross to the core (`EngineCoreRequest`, abort ids) and back
+(`EngineCoreOutputs`), and the event loop (HTTP) never waits on a forward pass.
+Outputs reach each request through its own asyncio queue. A failing step fails the
+requests it held, never the loop: the engine keeps serving the next requests.
 """
 
 from __future__ import annotations
@@ -20,16 +19,23 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import cached_property
 
+from ember.config import EngineConfig
 from ember.engine import LLMEngine
 from ember.engine_client import EngineClient, EngineDeadError, EngineStats, ModelInfo, RequestAbortedError
-from ember.logits_processor import BaseLogitsProcessor
+from ember.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+from ember.input_processor import InputProcessor
+from ember.logits_pipeline import LogitsPipeline
+from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
+from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
-from ember.request import check_priority
+from ember.parallel_sampling import SampleGroup, child_params
+from ember.plugin import create_plugin_manager
+from ember.request import RequestStatus
+from ember.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.stats import StepStats
-from ember.tokenizer import apply_chat_template, max_chars_per_token
+from ember.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +44,9 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Add:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class _Abort:
-    request_id: str
+    request_ids: list[str]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
 
 
 class _RequestStream:
@@ -66,12 +64,45 @@ class _RequestStream:
 
 
 class AsyncLLMEngine(EngineClient):
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+    """``AsyncLLMEngine(engine)``: the engine's core steps in a thread of this process.
+    :meth:`with_engine_process`: the core in its own process."""
+
+    def __init__(self, engine: LLMEngine | None = None, *, _process=None, _plugin_manager=None) -> None:
+        if (engine is None) == (_process is None):
+            raise ValueError("give an LLMEngine (or use AsyncLLMEngine.with_engine_process)")
+        self._core: EngineCore | None = engine.core if engine is not None else None
+        self._process = _process
+        if engine is not None:
+            self.engine = engine
+            self.tokenizer = engine.tokenizer
+            self._model_info = engine.model_info
+            self._pipeline = engine.core.logits_pipeline
+            self._plugin_manager = engine.core.plugin_manager
+            self.input_processor = engine.input_processor
+            self._stats = engine.core.stats()
+        else:
+            info: ModelInfo = _process.model_info
+            self._model_info = info
+            self.tokenizer = load_tokenizer(info.model_dir)
+            self._plugin_manager = _plugin_manager
+            config: EngineConfig = _process.config
+            # the front's own processor instances: request validation and plugin
+            # routes (the watermark's /detect) use them; the core has its own
+            self._pipeline = LogitsPipeline.from_registry(
+                _plugin_manager.registries.logits_processors,
+                LogitsProcessorContext(info.vocab_size, info.eos_token_ids, self.tokenizer),
+                config.processor_options,
+            )
+            validator = Sampler(info.vocab_size, pipeline=self._pipeline)
+            self.input_processor = InputProcessor(self.tokenizer, info, validator.validate)
+            self._stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0, 0)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # guards the output processor, _streams and the id counter: callers add and
+        # abort from the event loop, the engine thread processes outputs
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue[EngineCoreRequest | _Abort] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _RequestStream] = {}
-        self._lock = threading.Lock()  # guards _streams and the id counter
         self._next_id = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,10 +111,27 @@ class AsyncLLMEngine(EngineClient):
         # called in the engine thread after every step that computed tokens; must be quick
         self._step_listeners: list[Callable[[StepStats], None]] = []
 
+    @classmethod
+    def with_engine_process(cls, config: EngineConfig, plugin_manager=None) -> AsyncLLMEngine:
+        """Start the engine core in its own process (loading the model there) and
+        return the client for it. Plugins load from the ``ember`` entry points in both
+        processes; ``plugin_manager`` (else one made from ``config``) serves this side."""
+        from ember.engine_process import EngineCoreProcess
+
+        pm = plugin_manager or create_plugin_manager(disabled=config.disabled_plugins, required=config.required_plugins)
+        process = EngineCoreProcess(config)
+        process.config = config
+        return cls(_process=process, _plugin_manager=pm)
+
     # -- lifecycle ------------------------------------------------------------
+    @property
+    def engine_mode(self) -> str:
+        return "process" if self._process is not None else "thread"
+
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+            target = self._run_thread if self._process is None else self._run_reader
+            self._thread = threading.Thread(target=target, name="ember-engine", daemon=True)
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -92,6 +140,8 @@ class AsyncLLMEngine(EngineClient):
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._process is not None:
+            self._process.close(timeout)
 
     @property
     def is_running(self) -> bool:
@@ -109,7 +159,7 @@ class AsyncLLMEngine(EngineClient):
 
     def validate(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> list[int]:
         """Tokenize and check a request without queueing it; ValueError names the problem."""
-        return self.engine.validate_request(prompt, params, prompt_token_ids)
+        return self.input_processor.validate(prompt, params, prompt_token_ids)
 
     async def generate(
         self,
@@ -118,25 +168,36 @@ class AsyncLLMEngine(EngineClient):
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        validated: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate, queue and stream one request's outputs (the last has ``finished``).
-        ``priority``: lower is scheduled first (see `LLMEngine.add_request`).
+        """Validate (unless ``validated``: the caller checked exactly these ids and
+        params with :meth:`validate`), queue and stream one request's outputs (the last
+        has ``finished``). ``priority``: lower is scheduled first. ``output_kind``:
+        DELTA outputs carry only what each step added.
 
         Leaving the iterator early (client gone, task cancelled) aborts the request,
         which frees its KV blocks at the engine's next step.
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
-        check_priority(priority)
-        ids = self.validate(prompt, params, prompt_token_ids)
+        if validated and prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        else:
+            ids = self.input_processor.validate(prompt, params, prompt_token_ids, priority)
         request_id = request_id or self.new_request_id()
         stream = _RequestStream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, ids, params, priority))
-        self._wakeup.set()
+            if params.num_samples > 1:
+                group = SampleGroup(request_id, prompt, ids, params, priority)
+                self.output_processor.add_group(group, [child_params(params, i) for i in range(group.num_samples)])
+            else:
+                self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
+        self._send(EngineCoreRequest(request_id, ids, params, priority))
         finished = False
         try:
             while True:
@@ -155,8 +216,22 @@ class AsyncLLMEngine(EngineClient):
                 self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-        self._wakeup.set()
+        with self._lock:
+            ids = self.output_processor.abort(request_id)
+        self._send(_Abort([request_id, *ids]))
+
+    def _send(self, command: EngineCoreRequest | _Abort) -> None:
+        if self._process is None:
+            self._commands.put(command)
+            self._wakeup.set()
+            return
+        try:
+            if isinstance(command, _Abort):
+                self._process.abort(command.request_ids, command.status)
+            else:
+                self._process.add(command)
+        except (OSError, ValueError) as exc:  # the pipe is closed: the core is gone
+            self._die(exc)
 
     def abort_all(self, reason: str) -> int:
         """End every request in flight with `RequestAbortedError(reason)` (its caller sees
@@ -181,12 +256,12 @@ class AsyncLLMEngine(EngineClient):
 
     # -- the tokenizer (called from any thread: the engine thread never changes it) --------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_with_offsets(self, text: str, keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
         # A fast tokenizer's encoding gives just the offsets asked for (a list of 2 M
         # offsets would hold the GIL for a second).
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
@@ -200,109 +275,111 @@ class AsyncLLMEngine(EngineClient):
         return len(ids), ids[start:], offsets[start:]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return apply_chat_template(self.engine.tokenizer, messages)
+        return apply_chat_template(self.tokenizer, messages)
 
     # -- facts and counts ---------------------------------------------------------------
-    @cached_property
+    @property
     def model_info(self) -> ModelInfo:
-        engine = self.engine
-        kv, scheduler_config = engine.kv_manager, engine.scheduler.config
-        return ModelInfo(
-            model=engine.config.model,
-            model_dir=str(engine.model_dir),
-            vocab_size=engine.hf_config.vocab_size,
-            max_model_len=engine.max_model_len,
-            eos_token_ids=tuple(engine.eos_token_ids),
-            special_token_ids=frozenset(engine.tokenizer.all_special_ids),
-            max_chars_per_token=max_chars_per_token(engine.tokenizer),
-            dtype=str(engine.dtype).removeprefix("torch."),
-            backend_name=engine.backend.name,
-            backend_description=engine.backend.describe(),
-            num_threads=engine.num_threads,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            is_chunked_prefill=scheduler_config.enable_chunked_prefill,
-            is_prefix_caching=kv.enable_prefix_caching,
-            block_size=kv.block_size,
-            num_kv_blocks=kv.num_blocks,
-        )
+        return self._model_info
 
     def stats(self) -> EngineStats:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
-        counts = scheduler.stats()
-        return EngineStats(
-            num_running=counts.num_running,
-            num_waiting=counts.num_waiting,
-            num_free_blocks=counts.num_free_blocks,
-            num_total_blocks=counts.num_total_blocks,
-            num_preemptions=scheduler.num_preemptions,
-            num_prefix_queries=kv.num_prefix_queries,
-            num_prefix_hits=kv.num_prefix_hits,
-        )
+        """The counts after the latest step (a value the core sent with it)."""
+        return self._stats
 
     def logits_processor(self, name: str) -> BaseLogitsProcessor:
-        for processor in self.engine.logits_pipeline.processors:
+        for processor in self._pipeline.processors:
             if processor.name == name:
                 return processor
         raise LookupError(f"the logits processor {name!r} is not loaded")
 
     @property
     def plugin_manager(self):
-        return self.engine.plugin_manager
+        return self._plugin_manager
 
-    # -- the engine thread ------------------------------------------------------
-    def _run(self) -> None:
+    # -- the engine thread: the core in this process -------------------------------------
+    def _run_thread(self) -> None:
+        core = self._core
         try:
             while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished_requests():
+                self._drain_commands(core)
+                if not core.has_unfinished_requests():
+                    self._stats = core.stats()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
-                self._step()
+                try:
+                    outputs = core.step()
+                except Exception as exc:
+                    # Fail the requests in flight, keep the loop alive for the next ones.
+                    logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._streams))
+                    ids = list(core.scheduler.requests)
+                    core.abort_all()
+                    self._fail(ids, RuntimeError(f"engine step failed: {exc!r}"))
+                    continue
+                self._handle(outputs)
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             logger.exception("engine loop died")
-            self._dead_error = exc
-            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            self._die(exc)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, core: EngineCore) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
+                core.abort_requests(command.request_ids, command.status)
                 continue
-            stream = self._streams.get(command.request_id)
-            if stream is None:  # the client left before the request reached the engine
+            if command.request_id not in self._streams:  # the client left before the request reached the engine
                 continue
             try:
-                self.engine.add_request(
-                    command.prompt, command.params, prompt_token_ids=command.prompt_token_ids,
-                    request_id=command.request_id, priority=command.priority,
-                )
+                core.add_request(command)
             except ValueError as exc:
-                stream.put(exc)
+                self._fail([command.request_id], exc)
 
-    def _step(self) -> None:
+    # -- the reader thread: the core in its own process -----------------------------------
+    def _run_reader(self) -> None:
+        process = self._process
         try:
-            outputs = self.engine.step()
-            self.num_steps += 1
-        except Exception as exc:
-            # Fail the requests in flight, keep the loop alive for the next ones.
-            logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._streams))
-            self.engine.abort_all()
-            self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
-            return
+            while not self._stop.is_set():
+                try:
+                    message = process.recv(0.5)
+                except (EOFError, OSError):
+                    if self._stop.is_set():
+                        return
+                    raise EngineDeadError(
+                        f"the engine-core process exited (exit code {process.process.exitcode})"
+                    ) from None
+                if message is None:
+                    continue
+                kind = message[0]
+                if kind == "outputs":
+                    self._handle(message[1])
+                elif kind == "add_failed":
+                    self._fail([message[1]], ValueError(message[2]))
+                elif kind == "step_failed":
+                    self._fail(message[2], RuntimeError(f"engine step failed: {message[1]}"))
+        except BaseException as exc:
+            logger.error("engine core lost: %s", exc)
+            self._die(exc)
+
+    # -- both ----------------------------------------------------------------------------
+    def _handle(self, core_outputs: EngineCoreOutputs) -> None:
+        self.num_steps += 1
+        if core_outputs.stats is not None:
+            self._stats = core_outputs.stats
+        with self._lock:
+            outputs, stopped = self.output_processor.process(core_outputs.outputs)
+        if stopped:
+            self._send(_Abort(stopped, RequestStatus.FINISHED_STOPPED))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
-        stats = self.engine.last_step_stats
+        stats = core_outputs.step_stats
         if stats is not None and stats.kind != "empty":
             for listener in self._step_listeners:
                 try:
@@ -310,8 +387,21 @@ class AsyncLLMEngine(EngineClient):
                 except Exception:
                     logger.exception("step listener %r failed", listener)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail(self, core_ids: list[str], exc: BaseException) -> None:
+        """End the callers of these core requests (children map to their parent) with ``exc``."""
         with self._lock:
-            streams = list(self._streams.values())
+            ids = {self.output_processor.caller_id(rid) for rid in core_ids}
+            for rid in ids:
+                self.output_processor.abort(rid)
+            streams = [self._streams[rid] for rid in ids if rid in self._streams]
         for stream in streams:
             stream.put(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        if self._dead_error is None:
+            self._dead_error = exc
+        with self._lock:
+            streams = list(self._streams.values())
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop died: {exc!r}")
+        for stream in streams:
+            stream.put(error)

@@ -45,6 +45,10 @@ class KVCacheTooSmallError(ValueError):
             f"lower max_model_len to at most {num_kv_tokens} or raise {fix}"
         )
 
+    def __reduce__(self):  # pickles across the engine-core process boundary
+        return (type(self), (self.num_kv_tokens, self.max_model_len, self.block_size, self.bytes_per_token,
+                             self.budget_bytes))
+
 
 def check_kv_cache(
     num_blocks: int, config: EngineConfig, max_model_len: int,

@@ -119,6 +119,20 @@ class OutputProcessor:
             self._child_to_group.pop(rid, None)
         return ids
 
+    def caller_id(self, request_id: str) -> str:
+        """The id the caller knows: a parallel-sampling child's parent, else the id."""
+        link = self._child_to_group.get(request_id)
+        return link[0] if link is not None else request_id
+
+    def abort_all(self) -> None:
+        self._states.clear()
+        self._groups.clear()
+        self._child_to_group.clear()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Caller outputs for one step's core outputs, and the core request ids to
         finish because a stop string appeared in their text."""

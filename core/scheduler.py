@@ -61,6 +61,32 @@ class SchedulerStats:
     num_preemptions: int = 0  # since start
 
 
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, *, max_model_len: int, chunked_prefill: bool,
+    max_num_batched_tokens: int, num_kv_blocks: int, block_size: int,
+) -> None:
+    """Raise ValueError naming the limit if a request could never be scheduled: a
+    prompt that leaves no room in the context, one larger than a step without chunked
+    prefill, or a worst case (prompt + max_tokens, capped at the context) larger than
+    the whole KV cache. A pure function of the engine's figures, so that validation
+    outside the engine core (another thread or process) asks the same question."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens; the model's context "
+            f"(max_model_len) is {max_model_len}, which leaves no room for a generated token"
+        )
+    if not chunked_prefill and num_prompt_tokens > max_num_batched_tokens:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens ({max_num_batched_tokens})"
+        )
+    needed = -(-min(num_prompt_tokens + max_tokens, max_model_len) // block_size)
+    if needed > num_kv_blocks:
+        raise ValueError(
+            f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + max_tokens {max_tokens} tokens) "
+            f"but the whole KV cache has {num_kv_blocks}"
+        )
+
+
 def _queue_order(request: Request) -> tuple[int, int]:
     return (request.priority, request.arrival_index)
 
@@ -89,24 +115,12 @@ class Scheduler:
 
     def check_request_fits(self, request: Request) -> None:
         """Raise ValueError if the request could never be scheduled."""
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; the model's context "
-                f"(max_model_len) is {self.config.max_model_len}, which leaves no room "
-                "for a generated token"
-            )
-        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_num_batched_tokens ({self.config.max_num_batched_tokens})"
-            )
-        needed = self.kv.num_blocks_for(self.max_tokens_of(request))
-        if needed > self.kv.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + "
-                f"max_tokens {request.sampling_params.max_tokens} tokens) but the whole "
-                f"KV cache has {self.kv.num_blocks}"
-            )
+        check_request_fits(
+            request.num_prompt_tokens, request.sampling_params.max_tokens, max_model_len=self.config.max_model_len,
+            chunked_prefill=self.config.enable_chunked_prefill,
+            max_num_batched_tokens=self.config.max_num_batched_tokens, num_kv_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -4,7 +4,8 @@
         httpx.post(f"{url}/generate", json={"inputs": "hi"})
 
 Keyword arguments are `ServerSettings` fields; `engine` overrides `EngineConfig`
-fields (default: float32, 128 KV blocks of 8 tokens); `tracer_provider` goes to
+fields (default: float32, 128 KV blocks of 8 tokens; ``engine_mode="process"`` runs
+the engine core in its own process); `tracer_provider` goes to
 `create_app`. The server is yielded once ready (its warm-up request has run).
 """
 
@@ -51,7 +52,10 @@ def running_server(
 
     engine_kwargs = {"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 128, "block_size": 8}
     engine_kwargs.update(engine or {})
-    async_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs)))
+    if settings.get("engine_mode") == "process":
+        async_engine = AsyncLLMEngine.with_engine_process(EngineConfig(**engine_kwargs))
+    else:
+        async_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs)))
     app = create_app(async_engine, ServerSettings(**{"model_id": str(model_dir), **settings}), tracer_provider)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="ember-test-server", daemon=True)

@@ -106,14 +106,14 @@ def test_draft_tokens_slot_gives_the_same_greedy_tokens_in_fewer_steps(llm, wron
     reference = _generate(llm, params)
     engine = llm.engine
     steps_without = _count_steps(llm, params)
-    engine.speculator = OracleSpeculator(
+    engine.core.speculator = OracleSpeculator(
         {tuple(p): r for p, r in zip(PROMPTS, reference)}, k=3, wrong_every=wrong_every
     )
     try:
         steps_with = _count_steps(llm, params)
         got = _generate(llm, params)
     finally:
-        engine.speculator = None
+        engine.core.speculator = None
     assert got == reference
     if wrong_every != 1:
         assert steps_with < steps_without, (steps_with, steps_without)
@@ -127,12 +127,12 @@ def test_draft_tokens_slot_gives_the_same_greedy_tokens_in_fewer_steps(llm, wron
 def test_drafts_under_seeded_sampling_are_reproducible(llm):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
     engine = llm.engine
-    engine.speculator = OracleSpeculator({tuple(p): [1] * 40 for p in PROMPTS}, k=2)
+    engine.core.speculator = OracleSpeculator({tuple(p): [1] * 40 for p in PROMPTS}, k=2)
     try:
         first = _generate(llm, params)
         second = _generate(llm, params)
     finally:
-        engine.speculator = None
+        engine.core.speculator = None
     assert first == second and all(len(t) == 10 for t in first)
 
 
@@ -164,12 +164,12 @@ class OnlyTokens:
 def test_allowed_token_mask_slot_confines_every_sampled_token(llm, temperature):
     engine = llm.engine
     allowed = [3, 17, 42, 99]
-    engine.token_masker = OnlyTokens(engine.hf_config.vocab_size, allowed)
+    engine.core.token_masker = OnlyTokens(engine.hf_config.vocab_size, allowed)
     try:
         params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=1, logprobs=1)
         outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
     finally:
-        engine.token_masker = None
+        engine.core.token_masker = None
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     for out in outs:
         assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed), out.token_ids
@@ -184,12 +184,12 @@ def test_allowed_token_mask_of_the_wrong_shape_is_refused(llm):
         def allowed_tokens(self, *args):
             return torch.ones(3, dtype=torch.bool)
 
-    engine.token_masker = Bad()
+    engine.core.token_masker = Bad()
     try:
         with pytest.raises(ValueError, match="allowed-token mask"):
             llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=2))
     finally:
-        engine.token_masker = None
+        engine.core.token_masker = None
         engine.abort_all()
 
 
