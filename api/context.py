@@ -52,7 +52,7 @@ class GenerationRecord:
                 self.last_token_time = max(self.last_token_time or 0.0, metrics.last_token_time)
             self.num_cached_tokens = max(self.num_cached_tokens, metrics.num_cached_tokens)
             self.detokenize_times[out.index] = metrics.detokenize_time
-        self.num_generated_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.num_generated_tokens += len(out.new_token_ids)  # the step's tokens, cumulative or delta outputs
         self.finish_reasons = tuple(c.finish_reason for c in out.outputs)
         self.is_finished = out.finished
 

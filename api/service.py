@@ -23,7 +23,7 @@ from ember.api.context import GenerationRecord, current
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.settings import ResolvedLimits
 from ember.engine_client import EngineClient, EngineDeadError, RequestAbortedError
-from ember.outputs import RequestOutput
+from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -135,15 +135,20 @@ class GenerationService:
             )
 
     async def generate(
-        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs; the current request's context records their timings and counts."""
+        """The engine's outputs for a request that passed :meth:`validate` (every route
+        validates while preparing, so the engine does not again); the current request's
+        context records their timings and counts. ``output_kind``: DELTA for streams."""
         record = GenerationRecord(len(prompt_ids), params.num_samples)
         ctx = current()
         if ctx is not None:
             ctx.generations.append(record)
         try:
-            async for out in self.client.generate(prompt, params, prompt_token_ids=prompt_ids, priority=priority):
+            async for out in self.client.generate(
+                prompt, params, prompt_token_ids=prompt_ids, priority=priority, validated=True, output_kind=output_kind,
+            ):
                 record.observe(out)
                 yield out
         except EngineDeadError as exc:

@@ -194,7 +194,9 @@ class AsyncLLMEngine(EngineClient):
             self._streams[request_id] = stream
             if params.num_samples > 1:
                 group = SampleGroup(request_id, prompt, ids, params, priority)
-                self.output_processor.add_group(group, [child_params(params, i) for i in range(group.num_samples)])
+                self.output_processor.add_group(
+                    group, [child_params(params, i) for i in range(group.num_samples)], output_kind
+                )
             else:
                 self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
         self._send(EngineCoreRequest(request_id, ids, params, priority))

@@ -90,7 +90,9 @@ class LLMEngine:
         self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority))
         if params.num_samples > 1:
             group = SampleGroup(request_id, prompt, prompt_token_ids, params, priority)
-            self.output_processor.add_group(group, [child_params(params, i) for i in range(group.num_samples)])
+            self.output_processor.add_group(
+                group, [child_params(params, i) for i in range(group.num_samples)], output_kind
+            )
         else:
             self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         return request_id

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ember.outputs import OutputKind
+
 if TYPE_CHECKING:
     from ember.logits_processor import BaseLogitsProcessor
     from ember.outputs import RequestOutput
@@ -112,11 +114,17 @@ class EngineClient(ABC):
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        validated: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         """Validate, queue and stream one request's outputs; the last has ``finished``.
-        ``priority``: lower is scheduled first. Leaving the iterator early aborts the
-        request. Raises ValueError for a request `validate` refuses, `EngineDeadError`
-        if the engine is not running, `RequestAbortedError` for a request `abort_all` ended."""
+        ``priority``: lower is scheduled first. ``validated``: these exact token ids and
+        params already passed `validate` (so it is not run twice). ``output_kind``:
+        ``DELTA`` outputs carry only what each step added (streaming), ``CUMULATIVE``
+        everything so far. Leaving the iterator early aborts the request. Raises
+        ValueError for a request `validate` refuses, `EngineDeadError` if the engine is
+        not running, `RequestAbortedError` for a request `abort_all` ended."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

@@ -16,21 +16,15 @@ tokens then costs O(n), not O(n²).
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob, PositionLogprobs, to_logprob_dict
-from ember.outputs import CompletionOutput, RequestOutput
+from ember.outputs import CompletionOutput, OutputKind, RequestOutput
 from ember.parallel_sampling import SampleGroup
 from ember.sampling_params import SamplingParams
 from ember.stats import RequestMetrics
 from ember.tokenizer import IncrementalDetokenizer
-
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"
-    DELTA = "delta"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +97,14 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), kind,
         )
 
-    def add_group(self, group: SampleGroup, child_params: list[SamplingParams]) -> None:
+    def add_group(
+        self, group: SampleGroup, child_params: list[SamplingParams], kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> None:
         """A parallel-sampling request: its children report as one output of the parent."""
         self._groups[group.parent_id] = group
         for index, (cid, params) in enumerate(zip(group.child_ids(), child_params)):
             self._child_to_group[cid] = (group.parent_id, index)
-            self.add_request(cid, group.prompt, group.prompt_token_ids, params)
+            self.add_request(cid, group.prompt, group.prompt_token_ids, params, kind)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request (or group); returns the core request ids it had."""

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob
 from ember.stats import RequestMetrics
+
+
+class OutputKind(enum.Enum):
+    """What a request's outputs hold: everything so far (CUMULATIVE: offline use,
+    final answers) or only what each step added (DELTA: streaming, O(n) per stream)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
 
 
 @dataclass

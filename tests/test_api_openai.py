@@ -349,7 +349,7 @@ ERRORS = [
 def test_error_after_the_stream_started_is_an_error_event(http, server, monkeypatch):
     service = server.app.state.service
 
-    async def broken(prompt, prompt_ids, params, priority=0):
+    async def broken(prompt, prompt_ids, params, priority=0, output_kind=None):
         raise APIError(503, "the engine is not running", "unhealthy")
         yield  # an async generator, like GenerationService.generate
 
@@ -456,6 +456,30 @@ def test_chat_logprobs_parse_in_the_sdk(client):
                 for t in chunk.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
+
+
+@pytest.mark.parametrize("stop", [None, ["zzz"], ["qx", "\ufffd\ufffd"]])
+def test_streamed_logprobs_cover_every_token_when_text_is_held_back(client, stop):
+    """Streams carry only each step's tokens (DELTA outputs); a step whose text is held
+    back (it may begin a stop string) reports its tokens' logprobs with a later chunk:
+    none is lost or repeated, for each of n choices."""
+    kwargs = dict(model="m", messages=MESSAGES, max_tokens=8, temperature=0.9, seed=3, stop=stop, n=2)
+    whole = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=1)
+    stream = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=1, stream=True,
+                                            stream_options={"include_usage": True})
+    tokens = {0: [], 1: []}
+    text = {0: "", 1: ""}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text[choice.index] += choice.delta.content or ""
+            if choice.logprobs:
+                tokens[choice.index] += [t.logprob for t in choice.logprobs.content]
+    for choice in whole.choices:
+        assert text[choice.index] == choice.message.content
+        assert tokens[choice.index] == pytest.approx([t.logprob for t in choice.logprobs.content])
+    assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_completion_logprobs_parse_in_the_sdk(client):

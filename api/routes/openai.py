@@ -28,7 +28,7 @@ from ember.api.routes.common import with_watermark
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
-from ember.outputs import RequestOutput
+from ember.outputs import OutputKind, RequestOutput
 from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 
@@ -77,6 +77,26 @@ def choice_view(out: RequestOutput) -> RequestOutput:
     return replace(out, outputs=[replace(completion, index=0)], finished=completion.finish_reason is not None)
 
 
+class _Pending:
+    """A streamed choice's tokens (and logprobs) not reported yet: a step whose text is
+    held back (a possible stop string, an incomplete character) reports its tokens'
+    logprobs with the next chunk that has text, or the last one."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.outputs[0].token_ids)
+        self.logprobs.extend(out.outputs[0].logprobs or ())
+
+    def take(self, out: RequestOutput) -> RequestOutput:
+        """``out`` holding every pending token (and emptying the pending lists)."""
+        view = replace(out, outputs=[replace(out.outputs[0], token_ids=self.token_ids, logprobs=self.logprobs)])
+        self.token_ids, self.logprobs = [], []
+        return view
+
+
 def per_choice(jobs: list[_Job]) -> list[_Job]:
     """The job behind each returned choice, in choice order."""
     return [job for job in jobs for _ in range(job.params.n)]
@@ -86,10 +106,12 @@ def finish_reason(out: RequestOutput) -> str:
     return "length" if out.outputs[0].finish_reason == "length" else "stop"
 
 
-def usage(jobs: list[_Job], outs: list[RequestOutput]) -> oa.Usage:
-    """Prompts count once each (whatever n is); every returned choice's tokens count."""
+def usage(jobs: list[_Job], outs: list[RequestOutput] | None = None, num_completion: int = 0) -> oa.Usage:
+    """Prompts count once each (whatever n is); every returned choice's tokens count
+    (those of ``outs``' cumulative outputs, else ``num_completion``)."""
     num_prompt = sum(len(job.prompt_ids) for job in jobs)
-    num_completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    if outs is not None:
+        num_completion = sum(len(out.outputs[0].token_ids) for out in outs)
     return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
@@ -244,17 +266,22 @@ class OpenAIRoutes:
         return _Reply(f"{prefix}-{uuid.uuid4().hex}", object_name, int(time.time()), body.model,
                       self.system_fingerprint, include_usage)
 
-    async def _outputs(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(
+        self, jobs: list[_Job], kind: OutputKind = OutputKind.CUMULATIVE
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs as they come, tagged with the choice's index: sample
         ``i`` of job ``j`` is choice ``j * num_samples + i`` (OpenAI's order for n > 1).
-        Each is a one-completion view, finished when that sample is. Closing this
-        iterator (or an error in one job) cancels the others, which aborts them."""
+        Each is a one-completion view, finished when that sample is (with DELTA
+        ``kind``, holding only what the step added). Closing this iterator (or an error
+        in one job) cancels the others, which aborts them."""
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
         async def pump(job: _Job) -> None:
             k = job.params.num_samples
             try:
-                async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority)) as outs:
+                async with aclosing(
+                    self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind)
+                ) as outs:
                     async for out in outs:
                         queue.put_nowait((job.index * k + out.index, choice_view(out)))
             except Exception as exc:
@@ -391,24 +418,23 @@ class OpenAIRoutes:
         for index, job in enumerate(choice_jobs):
             if job.echo:
                 yield reply.chunk([{"index": index, "text": job.echo, "logprobs": None, "finish_reason": None}])
-        finals: list[RequestOutput] = []
-        num_sent = [0] * len(choice_jobs)  # tokens whose logprobs were sent, per choice
+        num_tokens = 0  # every choice's generated tokens, for usage
         offsets = [len(job.echo) for job in choice_jobs]
-        async with aclosing(self._outputs(jobs)) as outs:
+        pending = [_Pending() for _ in choice_jobs]  # tokens whose logprobs are not sent yet
+        async with aclosing(self._outputs(jobs, OutputKind.DELTA)) as outs:
             async for index, out in outs:
+                num_tokens += len(out.new_token_ids)
+                pending[index].add(out)
                 if out.new_text or out.finished:
                     reason = finish_reason(out) if out.finished else None
                     logprobs = None
                     if choice_jobs[index].params.logprobs is not None:
-                        lp = completion_logprobs(self.service, out, num_sent[index], offsets[index])
-                        num_sent[index] = len(out.outputs[0].token_ids)
+                        lp = completion_logprobs(self.service, pending[index].take(out), 0, offsets[index])
                         offsets[index] += sum(len(t) for t in lp.tokens)
                         logprobs = lp.model_dump()
                     yield reply.chunk([{"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}])
-                if out.finished:
-                    finals.append(out)
         if reply.include_usage:
-            yield reply.chunk([], usage(jobs, finals).model_dump())
+            yield reply.chunk([], usage(jobs, num_completion=num_tokens).model_dump())
         yield DONE_EVENT
 
     # -- /v1/chat/completions -------------------------------------------------------------
@@ -495,26 +521,26 @@ class OpenAIRoutes:
         for index in range(num_choices):
             yield reply.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}])
-        finals: list[RequestOutput] = []
-        num_sent = [0] * num_choices  # tokens whose logprobs were sent, per choice
+        num_tokens = 0  # every choice's generated tokens, for usage
         num_top = job.params.logprobs
+        pending = [_Pending() for _ in range(num_choices)]  # tokens whose logprobs are not sent yet
 
         def logprobs_of(index: int, out: RequestOutput) -> dict | None:
-            if num_top is None or num_sent[index] == len(out.outputs[0].token_ids):
+            view = pending[index].take(out)
+            if num_top is None or not view.outputs[0].token_ids:
                 return None
-            lp = chat_logprobs(self.service, out, num_sent[index], num_top)
-            num_sent[index] = len(out.outputs[0].token_ids)
-            return lp.model_dump()
+            return chat_logprobs(self.service, view, 0, num_top).model_dump()
 
-        async with aclosing(self._outputs([job])) as outs:
+        async with aclosing(self._outputs([job], OutputKind.DELTA)) as outs:
             async for index, out in outs:
+                num_tokens += len(out.new_token_ids)
+                pending[index].add(out)
                 if out.new_text:
                     yield reply.chunk([{"index": index, "delta": {"content": out.new_text},
                                         "logprobs": logprobs_of(index, out), "finish_reason": None}])
                 if out.finished:
-                    finals.append(out)
                     yield reply.chunk([{"index": index, "delta": {}, "logprobs": logprobs_of(index, out),
                                         "finish_reason": finish_reason(out)}])
         if reply.include_usage:
-            yield reply.chunk([], usage([job], finals).model_dump())
+            yield reply.chunk([], usage([job], num_completion=num_tokens).model_dump())
         yield DONE_EVENT

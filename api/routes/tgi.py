@@ -18,7 +18,7 @@ from ember.api.schemas import tgi
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.logprobs import Logprob
-from ember.outputs import RequestOutput
+from ember.outputs import OutputKind, RequestOutput
 from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 
@@ -213,36 +213,35 @@ class TGIRoutes:
     async def _events(self, body: tgi.GenerateRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
         service = self.service
         index = 0
+        text = ""  # the generated text so far: each output carries only what is new
         try:
-            async for out in service.generate(body.inputs, ids, params, body.parameters.priority):
+            async for out in service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA):
                 completion = out.outputs[0]
                 new_ids = out.new_token_ids
+                text += completion.text
                 for k, token_id in enumerate(new_ids):
                     index += 1
                     is_last = out.finished and k == len(new_ids) - 1
-                    position = len(completion.token_ids) - len(new_ids) + k
-                    logprob = completion.token_logprobs[position]
                     num_top = body.parameters.top_n_tokens or 0
                     event: dict = {
                         "index": index,
                         "token": {
                             "id": token_id,
                             "text": out.new_text if k == len(new_ids) - 1 else "",
-                            "logprob": logprob,
+                            "logprob": completion.token_logprobs[k],
                             "special": service.is_special(token_id),
                         },
                         "top_tokens": [
-                            t.model_dump() for t in top_tokens(service, completion.logprobs[position], num_top)
+                            t.model_dump() for t in top_tokens(service, completion.logprobs[k], num_top)
                         ] if num_top else None,
                         "generated_text": None,
                         "details": None,
                     }
                     if is_last:
-                        text = completion.text
                         event["generated_text"] = (body.inputs + text) if body.parameters.return_full_text else text
                         event["details"] = {
                             "finish_reason": finish_reason(out, service.model_info.eos_token_ids),
-                            "generated_tokens": len(completion.token_ids),
+                            "generated_tokens": index,
                             "seed": params.seed,
                             "input_length": len(ids),
                         }
