@@ -41,7 +41,9 @@ class AttentionBatch:
     persistent batch without touching each request's history.
 
     Request ``i`` has ``query_lens[i]`` query tokens at positions
-    ``start_positions[i] ...`` (``start_positions[i]`` tokens are already cached).
+    ``start_positions[i] ...`` (``start_positions[i]`` tokens are already cached),
+    flat rows ``query_start_loc[i] ... query_start_loc[i + 1]``, and ``seq_lens[i]``
+    tokens of context in all.
     Row ``i`` of ``block_table`` holds its block ids; entries past its last block are
     valid block ids or 0, never read. ``slot_mapping[t]`` is the flat cache slot
     (``block * block_size + offset``) of flat token ``t``.
@@ -52,6 +54,8 @@ class AttentionBatch:
     block_table: torch.Tensor  # (num_requests, max_blocks) int64, on the device
     slot_mapping: torch.Tensor  # (num_tokens,) int64, on the device
     block_size: int
+    seq_lens: torch.Tensor  # (num_requests,) int64 context lengths (cached + new), on the device
+    query_start_loc: torch.Tensor  # (num_requests + 1,) int64 flat index of each request's first token
 
     @property
     def num_requests(self) -> int:
@@ -79,9 +83,14 @@ class AttentionBatch:
             table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
             t = s.block_table
             slots.extend(t[p // block_size] * block_size + p % block_size for p in range(s.start_position, s.context_len))
+        starts = [0]
+        for s in slices:
+            starts.append(starts[-1] + s.num_query_tokens)
         return cls(
             [s.num_query_tokens for s in slices], [s.start_position for s in slices], table.to(device),
             torch.tensor(slots, dtype=torch.int64, device=device), block_size,
+            torch.tensor([s.context_len for s in slices], dtype=torch.int64, device=device),
+            torch.tensor(starts, dtype=torch.int64, device=device),
         )
 
 

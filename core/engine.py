@@ -115,7 +115,7 @@ class LLMEngine:
         a stop string found there finishes the request in the core.
 
         `last_step_stats` describes the step afterwards (duration, prefill/decode tokens)."""
-        outputs, stopped = self.output_processor.process(self.core.step().outputs)
+        outputs, stopped = self.output_processor.process(self.core.step(with_stats=False).outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -303,9 +303,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_groups)
 
     # -- the step ---------------------------------------------------------------
-    def step(self) -> EngineCoreOutputs:
+    def step(self, with_stats: bool = True) -> EngineCoreOutputs:
         """Schedule, run the model once, and report what is new for each request
-        that changed."""
+        that changed (and, ``with_stats``, the counts after the step)."""
         started_at = time.perf_counter()
         if self.speculator is not None:
             self._propose_drafts()
@@ -332,7 +332,7 @@ class EngineCore:
                 self._notify_finished(request)
         if self._pending_groups:
             self._admit_ready_siblings()
-        return EngineCoreOutputs(outputs, self.last_step_stats, self.stats())
+        return EngineCoreOutputs(outputs, self.last_step_stats, self.stats() if with_stats else None)
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, step_entries) -> list:

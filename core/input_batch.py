@@ -1,19 +1,25 @@
 """The model runner's persistent batch: every request it holds, kept between steps.
 
 The scheduler sends a request in full once (`ember.step.NewRequest`) and deltas
-afterwards; this module keeps what the runner needs of each request in tensors
+afterwards; this module keeps what the runner needs of each request in arrays
 indexed by a row per request — token ids, block table — plus the request's token
-lists for logits processors. A step gathers its input ids, positions and cache slots
-from those tensors with a few tensor operations, so a decode step costs O(batch)
-Python whatever the requests' lengths.
+lists for logits processors. A step gathers its input ids, positions, cache slots
+and block-table rows from those arrays with a few vectorized operations and sends
+them to the device once, so a decode step costs O(batch) Python whatever the
+requests' lengths. The arrays live on the host (NumPy, whose small indexing
+operations cost a microsecond where a torch operation costs several; the CPU
+backend reads the step's tensors without a copy) — the same layout a device
+backend copies from, as vLLM's host-side input batch does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from ember.backend import AttentionBatch
 from ember.sampling_params import SamplingParams
 from ember.step import CachedRequest, NewRequest
 
@@ -30,6 +36,11 @@ class RunnerRequest:
     eos_token_ids: tuple[int, ...]
     num_computed_tokens: int
     num_blocks: int = 0
+    # its block ids as a list too: a decode row's cache slot in O(1) Python
+    block_ids: list[int] = field(default_factory=list)
+    # tokens copied into the batch's token array so far (decode steps read the
+    # lists; the array catches up only when a multi-token step needs it)
+    num_written: int = 0
     # tokens proposed for this step (written after the request's tokens)
     draft_token_ids: list[int] = field(default_factory=list)
 
@@ -44,17 +55,15 @@ class RunnerRequest:
 
 class InputBatch:
     """Rows of requests; row ``r``'s tokens are ``token_ids[r, :num_tokens]`` and its
-    blocks ``block_table[r, :num_blocks]`` (on the backend's device)."""
+    blocks ``block_table[r, :num_blocks]`` (host arrays)."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
         max_blocks = -(-max_model_len // block_size)
-        # token ids stay on the host (the step's input ids are gathered there and sent
-        # once); the block table lives on the device, where attention reads it
-        self.token_ids = torch.zeros(max_num_reqs, min(max_model_len, 1024), dtype=torch.int64)
-        self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int64, device=device)
+        self.token_ids = np.zeros((max_num_reqs, min(max_model_len, 1024)), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.requests: dict[str, RunnerRequest] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -67,8 +76,8 @@ class InputBatch:
     def _ensure_width(self, num_tokens: int) -> None:
         width = self.token_ids.shape[1]
         if num_tokens > width:  # doubling: amortized O(1) per token
-            grown = torch.zeros(self.token_ids.shape[0], min(max(num_tokens, 2 * width), self.max_model_len),
-                                dtype=torch.int64)
+            grown = np.zeros((self.token_ids.shape[0], min(max(num_tokens, 2 * width), self.max_model_len)),
+                             dtype=np.int64)
             grown[:, :width] = self.token_ids
             self.token_ids = grown
 
@@ -84,7 +93,8 @@ class InputBatch:
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         self._ensure_width(len(tokens))
-        self.token_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        self.token_ids[row, : len(tokens)] = tokens
+        request.num_written = len(tokens)
         self._add_blocks(request, new.block_ids)
         self.requests[new.request_id] = request
         return request
@@ -103,7 +113,8 @@ class InputBatch:
         end = request.num_blocks + n
         if end > self.block_table.shape[1]:
             raise ValueError(f"request {request.request_id!r} has {end} blocks, more than its context allows")
-        self.block_table[request.row, request.num_blocks : end] = torch.tensor(block_ids, dtype=torch.int64)
+        self.block_table[request.row, request.num_blocks : end] = block_ids
+        request.block_ids.extend(block_ids)
         request.num_blocks = end
 
     def remove(self, request_id: str) -> None:
@@ -111,46 +122,73 @@ class InputBatch:
         if request is not None:
             self._free_rows.append(request.row)
 
+    def _write_tokens(self, request: RunnerRequest) -> None:
+        """Copy the request's tokens not in the token array yet (its latest outputs)."""
+        end = min(request.num_tokens, self.max_model_len)
+        if request.num_written < end:
+            self._ensure_width(end)
+            first = request.num_written - request.num_prompt_tokens
+            self.token_ids[request.row, request.num_written : end] = request.output_token_ids[first : first + end - request.num_written]
+            request.num_written = end
+
     def set_drafts(self, request: RunnerRequest, draft_token_ids: list[int]) -> None:
         """Place proposed tokens after the request's tokens (input ids of this step)."""
         request.draft_token_ids = list(draft_token_ids)
         if draft_token_ids:
+            self._write_tokens(request)
             start = request.num_tokens
             self._ensure_width(start + len(draft_token_ids))
-            self.token_ids[request.row, start : start + len(draft_token_ids)] = torch.tensor(
-                draft_token_ids, dtype=torch.int64
-            )
+            self.token_ids[request.row, start : start + len(draft_token_ids)] = draft_token_ids
 
     def append(self, request: RunnerRequest, token_ids: list[int]) -> None:
         """Tokens the request emitted this step (accepted drafts and the sampled one)."""
-        start = request.num_tokens
         request.output_token_ids.extend(token_ids)
         request.draft_token_ids = []
-        if start < self.max_model_len:
-            end = min(start + len(token_ids), self.max_model_len)
-            self._ensure_width(end)
-            self.token_ids[request.row, start:end] = torch.tensor(token_ids[: end - start], dtype=torch.int64)
 
-    def gather(
-        self, requests: list[RunnerRequest], query_lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's flat input ids and positions (host), cache slots and block-table
-        rows (device), for ``query_lens[i]`` tokens of ``requests[i]`` from its computed count."""
-        rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
-        starts = torch.tensor([r.num_computed_tokens for r in requests], dtype=torch.int64)
-        if all(n == 1 for n in query_lens):  # decodes only: one token per row
-            flat_rows, positions = rows, starts
-        else:
-            lens = torch.tensor(query_lens, dtype=torch.int64)
-            flat_rows = rows.repeat_interleave(lens)
-            first = torch.cumsum(lens, 0) - lens  # flat index of each request's first token
-            positions = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - first.repeat_interleave(lens)
-        input_ids = self.token_ids[flat_rows, positions]
-        device_rows = flat_rows.to(self.device)
-        device_positions = positions.to(self.device)
-        slots = (
-            self.block_table[device_rows, device_positions // self.block_size] * self.block_size
-            + device_positions % self.block_size
-        )
+    def gather(self, requests: list[RunnerRequest], query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """This step's flat input ids and positions (host tensors) and its attention
+        batch (slots, block-table rows, lengths on the device), for ``query_lens[i]``
+        tokens of ``requests[i]`` from its computed count.
+
+        Right after a forward pass every small operation runs cold (tens of
+        microseconds each), so the step's integers are built as one list and sent as
+        one tensor; only the block-table rows come from the host array."""
+        bs, n, device = self.block_size, len(requests), self.device
+        starts = [r.num_computed_tokens for r in requests]
+        rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=n)
         width = max(max(r.num_blocks for r in requests), 1)
-        return input_ids, positions, slots, self.block_table[rows.to(self.device), :width]
+        tables = torch.from_numpy(self.block_table[rows, :width])
+        if len(query_lens) == sum(query_lens):
+            # decodes only: each row's one token is its last, at position num_computed
+            flat = [0] * (6 * n + 1)
+            for i, r in enumerate(requests):
+                p = starts[i]
+                flat[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                flat[n + i] = p
+                flat[2 * n + i] = r.block_ids[p // bs] * bs + p % bs
+                flat[3 * n + i] = p + 1
+                flat[4 * n + i] = i
+            flat[5 * n] = n
+            step = torch.tensor(flat[: 5 * n + 1], dtype=torch.int64)
+            input_ids, positions, rest = step.split([n, n, 3 * n + 1])
+        else:
+            for r in requests:
+                self._write_tokens(r)
+            lens = np.asarray(query_lens, dtype=np.int64)
+            np_starts = np.asarray(starts, dtype=np.int64)
+            flat_rows = np.repeat(rows, lens)
+            cum = np.cumsum(lens)
+            first = cum - lens  # flat index of each request's first token
+            np_positions = np.repeat(np_starts, lens) + np.arange(int(cum[-1])) - np.repeat(first, lens)
+            slots = self.block_table[flat_rows, np_positions // bs] * bs + np_positions % bs
+            step = torch.from_numpy(np.concatenate([
+                self.token_ids[flat_rows, np_positions], np_positions, slots, np_starts + lens, first, cum[-1:],
+            ]))
+            num_tokens = int(cum[-1])
+            input_ids, positions, rest = step.split([num_tokens, num_tokens, len(slots) + 2 * n + 1])
+        if device.type != "cpu":
+            rest, tables = rest.to(device), tables.to(device)
+        slots, seq_lens, query_start_loc = rest.split([len(rest) - 2 * n - 1, n, n + 1])
+        return input_ids, positions, AttentionBatch(
+            query_lens, starts, tables, slots, bs, seq_lens, query_start_loc,
+        )

@@ -108,6 +108,10 @@ class LogitsPipeline:
     def num_active_requests(self) -> int:
         return len(self._active)
 
+    def uses_any(self, rows: list[SamplingRow]) -> bool:
+        """Whether any processor applies to any of these rows."""
+        return bool(self.processors) and any(self._processors_of(row) for row in rows)
+
     def apply(
         self, logits: torch.Tensor, rows: list[SamplingRow],
         min_order: int | None = None, max_order: int | None = None,

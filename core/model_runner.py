@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.backend import AttentionBatch, BaseAttention, BaseBackend
+from ember.backend import BaseAttention, BaseBackend
 from ember.input_batch import InputBatch, RunnerRequest
 from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import SamplingRow
@@ -92,42 +92,53 @@ class ModelRunner:
                 # predicts the first generated one, not a prompt token
                 num_rows = min(num_tokens, request.num_prompt_tokens - 1 - start)
                 prompt_spans.append((len(requests), num_flat, num_rows))
-            draft = drafts.get(request_id, ())
-            batch.set_drafts(request, draft)
+            draft = drafts.get(request_id, ()) if drafts else ()
+            if draft or request.draft_token_ids:
+                batch.set_drafts(request, draft)
             if request_id in scheduler_output.sampling_request_ids:
                 num_positions = len(draft) + 1
                 sample_spans.append((len(sample_rows), num_positions))
                 first = num_flat + num_tokens - num_positions
-                sample_rows.extend(range(first, first + num_positions))
+                if num_positions == 1:
+                    sample_rows.append(first)
+                else:
+                    sample_rows.extend(range(first, first + num_positions))
                 rows.append(SamplingRow(
                     request_id, request.params, request.prompt_token_ids, request.output_token_ids,
                     request.eos_token_ids,
                 ))
-                # a draft position samples as if the drafts before it were accepted
-                rows.extend(
-                    SamplingRow(request_id, request.params, request.prompt_token_ids,
-                                request.output_token_ids + list(draft[:j]), request.eos_token_ids)
-                    for j in range(1, num_positions)
-                )
+                if draft:  # a draft position samples as if the drafts before it were accepted
+                    rows.extend(
+                        SamplingRow(request_id, request.params, request.prompt_token_ids,
+                                    request.output_token_ids + list(draft[:j]), request.eos_token_ids)
+                        for j in range(1, num_positions)
+                    )
             else:
                 sample_spans.append((len(sample_rows), 0))
             requests.append(request)
             query_lens.append(num_tokens)
             num_flat += num_tokens
-        input_ids, positions, slots, block_table = batch.gather(requests, query_lens)
-        metadata = self.attention.prepare(AttentionBatch(
-            query_lens, [r.num_computed_tokens for r in requests], block_table, slots, self.block_size,
-        ))
-        hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
+        input_ids, positions, attention_batch = batch.gather(requests, query_lens)
+        metadata = self.attention.prepare(attention_batch)
+        if device.type != "cpu":
+            input_ids, positions = input_ids.to(device), positions.to(device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         token_ids: list[int] = []
         logprobs: list[float] = []
         top: list[PositionLogprobs | None] = []
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]).float()
-            self._apply_masks(logits, scheduler_output, requests, sample_spans)
+            if len(sample_rows) == num_flat:  # every row samples (decodes): no gather
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            if scheduler_output.allowed_token_masks:
+                self._apply_masks(logits, scheduler_output, requests, sample_spans)
             sampled = self.sampler(logits, rows)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
-            top = self._top_logprobs(sampled.processed, rows, token_ids)
+            if any(row.params.logprobs is not None for row in rows):
+                top = self._top_logprobs(sampled.processed, rows, token_ids)
+            else:
+                top = [None] * len(rows)
         out_ids: list[list[int]] = []
         out_lps: list[list[float]] = []
         out_top: list[list[PositionLogprobs]] = []
@@ -144,15 +155,16 @@ class ModelRunner:
             # token is the target's sample given the tokens before it (exact for
             # greedy; under sampling every emitted token is still the target's draw)
             accepted = 0
-            for proposed, chosen in zip(request.draft_token_ids, ids):
-                if proposed != chosen:
-                    break
-                accepted += 1
+            if request.draft_token_ids:
+                for proposed, chosen in zip(request.draft_token_ids, ids):
+                    if proposed != chosen:
+                        break
+                    accepted += 1
             emit = accepted + 1
             batch.append(request, ids[:emit])
             out_ids.append(ids[:emit])
             out_lps.append(logprobs[first : first + emit])
-            out_top.append([t for t in top[first : first + emit] if t is not None])
+            out_top.append([t for t in top[first : first + emit] if t is not None] if top[first] is not None else [])
             num_accepted.append(accepted)
         prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in requests]
         for index, first_row, num_rows in prompt_spans:

@@ -88,7 +88,21 @@ class Sampler:
         """``logits``: ``(len(rows), vocab)``, owned by the sampler from now on (changed
         in place). Several rows may share a request id (speculative decoding)."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if self.greedy_op is not None and logits.dtype == torch.float32 and self._is_plain_greedy(rows):
+            # the common decode batch: nothing to process, and the backend's fused
+            # argmax never picks NaN, so there is nothing to repair either
+            ids, lps = self.greedy_op(logits)
+            return SamplerOutput(ids.tolist(), lps.tolist(), logits)
         return self.draw(self.process(logits.float(), rows), rows)
+
+    def _is_plain_greedy(self, rows: list[SamplingRow]) -> bool:
+        """Greedy rows that no adjustment or processor touches."""
+        for row in rows:
+            p = row.params
+            if not p.is_greedy or p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+                    or p.presence_penalty != 0.0 or p.bad_words_token_ids or row.num_output_tokens < p.min_tokens:
+                return False
+        return not self.pipeline.uses_any(rows)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-7 of the module docstring on float32 ``logits`` (changed in place);

@@ -85,12 +85,16 @@ class CPUAttention(BaseAttention):
             row += num_query
         decode_index = decode_bt = lens = None
         if decode_rows:
-            all_decode = len(decode_rows) == batch.num_requests
-            lens = torch.tensor([batch.start_positions[i] + 1 for i in decode_requests], dtype=torch.int64, device=device)
-            max_blocks = -(-int(lens.max()) // block_size)
-            tables = batch.block_table if all_decode else batch.block_table[decode_requests]
-            decode_bt = tables[:, :max_blocks].reshape(-1)
-            decode_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+            max_blocks = -(-max(batch.start_positions[i] + 1 for i in decode_requests) // block_size)
+            if len(decode_rows) == batch.num_requests:  # every request decodes: the batch's own tensors
+                lens, tables, decode_index = batch.seq_lens, batch.block_table, batch.query_start_loc[:-1]
+            else:
+                index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
+                lens, tables = batch.seq_lens[index], batch.block_table[index]
+                decode_index = batch.query_start_loc[index]
+            if tables.shape[1] != max_blocks:
+                tables = tables[:, :max_blocks]
+            decode_bt = tables.reshape(-1)
         metadata = CPUAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             decode_token_index=decode_index,

@@ -165,10 +165,13 @@ class NativeKernels:
         if not context_lens.numel():
             return
         max_len = block_tables.shape[1] * block_size
-        if int(context_lens.min()) < 1 or int(context_lens.max()) > max_len:
+        low, high = (int(v) for v in torch.aminmax(context_lens))
+        if low < 1 or high > max_len:
             raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_len}]")
-        if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
-            raise ValueError(f"paged_decode_attention: block ids must lie in [0, {num_blocks})")
+        if block_tables.numel():
+            low, high = (int(v) for v in torch.aminmax(block_tables))
+            if low < 0 or high >= num_blocks:
+                raise ValueError(f"paged_decode_attention: block ids must lie in [0, {num_blocks})")
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of float32 ``logits`` (rows, vocab): the first index of the largest

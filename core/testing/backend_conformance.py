@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 import unittest
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -256,9 +256,9 @@ def _check_step(
     table = attention_batch.block_table
     for i, s in enumerate(slices):
         table[i, len(s.block_table):] = torch.randint(0, NUM_BLOCKS, (table.shape[1] - len(s.block_table),), generator=gen)
-    attention_batch = AttentionBatch(
-        attention_batch.query_lens, attention_batch.start_positions, table.to(device),
-        attention_batch.slot_mapping.to(device), BLOCK_SIZE,
+    attention_batch = replace(
+        attention_batch, block_table=table.to(device), slot_mapping=attention_batch.slot_mapping.to(device),
+        seq_lens=attention_batch.seq_lens.to(device), query_start_loc=attention_batch.query_start_loc.to(device),
     )
     metadata = attention.prepare(attention_batch)
     outputs = []
