@@ -162,8 +162,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--engine-mode", choices=("thread", "process"), default=None,
-        help="where the engine core runs: a thread beside the HTTP event loop, or a process of its own "
-        "talking over a pipe (default thread: faster on small machines, docs/engine-core.md) [EMBER_ENGINE_MODE]",
+        help="where the engine core runs: a process of its own talking over a pipe (default: served "
+        "throughput measured higher), or a thread beside the HTTP event loop (docs/engine-core.md) [EMBER_ENGINE_MODE]",
     )
     limits.add_argument(
         "--kv-cache-memory", metavar="SIZE", type=parse_size_option, default=None,

@@ -157,7 +157,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory": None,
     "max_batch_size": None,
     "num_threads": None,
-    "engine_mode": "thread",
+    "engine_mode": "process",
     "max_stop_sequences": 4,
     "payload_limit": 2_000_000,
     "disable_prefix_caching": False,

@@ -65,8 +65,9 @@ class ServerSettings:
     kv_cache_memory: int | None = None  # bytes for the KV cache (default: the backend's share of free memory)
     max_batch_size: int | None = None  # requests running at once (the engine's max_num_seqs)
     num_threads: int | None = None  # host threads of the backend (the engine's num_threads)
-    # Where the engine core runs: "thread" (beside the event loop) or "process" (its own).
-    engine_mode: str = "thread"
+    # Where the engine core runs: "process" (its own, the default: measured faster when
+    # served, docs/engine-core.md) or "thread" (beside the event loop).
+    engine_mode: str = "process"
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)

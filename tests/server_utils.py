@@ -4,8 +4,8 @@
         httpx.post(f"{url}/generate", json={"inputs": "hi"})
 
 Keyword arguments are `ServerSettings` fields; `engine` overrides `EngineConfig`
-fields (default: float32, 128 KV blocks of 8 tokens; ``engine_mode="process"`` runs
-the engine core in its own process); `tracer_provider` goes to
+fields (default: float32, 128 KV blocks of 8 tokens; the core in a thread unless
+``engine_mode="process"``); `tracer_provider` goes to
 `create_app`. The server is yielded once ready (its warm-up request has run).
 """
 
@@ -52,7 +52,8 @@ def running_server(
 
     engine_kwargs = {"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 128, "block_size": 8}
     engine_kwargs.update(engine or {})
-    if settings.get("engine_mode") == "process":
+    settings.setdefault("engine_mode", "thread")  # the engine built here, in this process (fast to start)
+    if settings["engine_mode"] == "process":
         async_engine = AsyncLLMEngine.with_engine_process(EngineConfig(**engine_kwargs))
     else:
         async_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs)))

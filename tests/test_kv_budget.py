@@ -100,6 +100,10 @@ def test_a_kv_cache_smaller_than_one_request_names_what_the_user_set(
     if is_before_loading:
         monkeypatch.setattr(ember.engine_core, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
     monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
+    # the core in this process, where the patches apply
+    assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32", "--engine-mode", "thread", *argv]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"ember: error: {message}"
+    # the default, the core in its own process, says the same
     assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32", *argv]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"ember: error: {message}"
 
@@ -110,7 +114,7 @@ def test_the_default_budget_smaller_than_one_request_says_what_to_set(tiny_llama
 
     monkeypatch.setattr(CPUBackend, "kv_cache_memory_bytes", lambda self, model_bytes, activation_bytes=0: 64 << 10)
     monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
-    assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32"]) == 2
+    assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32", "--engine-mode", "thread"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "ember: error: the KV cache (64KiB, the backend's default share of memory) holds 128 tokens, less than "
         f"one request of {CONTEXT}; lower --max-total-tokens to at most 128 or give --kv-cache-memory of at "
