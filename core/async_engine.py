@@ -63,6 +63,24 @@ class _RequestStream:
             pass
 
 
+def _put_all(items: list[tuple[_RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+def _deliver(items: list[tuple[_RequestStream, RequestOutput]]) -> None:
+    """Hand one step's outputs to their event loops: one wake-up per loop, not one
+    per request (64 streams would otherwise wake the HTTP loop 64 times a step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, out in items:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+
 class AsyncLLMEngine(EngineClient):
     """``AsyncLLMEngine(engine)``: the engine's core steps in a thread of this process.
     :meth:`with_engine_process`: the core in its own process."""
@@ -377,10 +395,8 @@ class AsyncLLMEngine(EngineClient):
             outputs, stopped = self.output_processor.process(core_outputs.outputs)
         if stopped:
             self._send(_Abort(stopped, RequestStatus.FINISHED_STOPPED))
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+        streams = self._streams
+        _deliver([(stream, out) for out in outputs if (stream := streams.get(out.request_id)) is not None])
         stats = core_outputs.step_stats
         if stats is not None and stats.kind != "empty":
             for listener in self._step_listeners:

@@ -274,6 +274,16 @@ class OpenAIRoutes:
         Each is a one-completion view, finished when that sample is (with DELTA
         ``kind``, holding only what the step added). Closing this iterator (or an error
         in one job) cancels the others, which aborts them."""
+        if len(jobs) == 1 and jobs[0].params.num_samples == 1:
+            # one prompt, one sample (the usual chat request): no task or queue between
+            # the engine's stream and the response
+            job = jobs[0]
+            async with aclosing(
+                self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind)
+            ) as outs:
+                async for out in outs:
+                    yield job.index, out
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
         async def pump(job: _Job) -> None:
