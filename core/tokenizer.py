@@ -111,9 +111,19 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        # A fast tokenizer's Rust decoder directly: what its Python `decode` calls,
+        # without the wrapper's per-call work (two decodes a token add up). Only when
+        # the wrapper would not change the text afterwards (no space clean-up).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            self._backend = backend
+            self._decode = self._decode_backend
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_backend(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append ids; return the text they complete (may be empty)."""
