@@ -29,7 +29,6 @@ from ember.logits_pipeline import LogitsPipeline
 from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
-from ember.parallel_sampling import SampleGroup, child_params
 from ember.plugin import create_plugin_manager
 from ember.request import RequestStatus
 from ember.sampler import Sampler
@@ -210,13 +209,7 @@ class AsyncLLMEngine(EngineClient):
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            if params.num_samples > 1:
-                group = SampleGroup(request_id, prompt, ids, params, priority)
-                self.output_processor.add_group(
-                    group, [child_params(params, i) for i in range(group.num_samples)], output_kind
-                )
-            else:
-                self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
+            self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
         self._send(EngineCoreRequest(request_id, ids, params, priority))
         finished = False
         try:

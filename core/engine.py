@@ -17,7 +17,6 @@ from ember.engine_core import EngineCore, EngineCoreRequest, select_backend
 from ember.input_processor import InputProcessor
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
-from ember.parallel_sampling import SampleGroup, child_params
 from ember.plugin.manager import EmberPluginManager
 from ember.request import RequestStatus, check_priority
 from ember.sampling_params import SamplingParams
@@ -88,13 +87,7 @@ class LLMEngine:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority))
-        if params.num_samples > 1:
-            group = SampleGroup(request_id, prompt, prompt_token_ids, params, priority)
-            self.output_processor.add_group(
-                group, [child_params(params, i) for i in range(group.num_samples)], output_kind
-            )
-        else:
-            self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

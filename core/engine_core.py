@@ -172,10 +172,6 @@ class EngineCore:
             num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
         )
 
-    @property
-    def num_kv_cache_tokens(self) -> int:
-        return self.kv_manager.num_blocks * self.kv_manager.block_size
-
     @torch.inference_mode()
     def _profile_forward(self, attention, num_tokens: int, block_size: int, max_num_seqs: int) -> None:
         """One forward pass over ``num_tokens`` dummy tokens (one sequence: prefill

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob, PositionLogprobs, to_logprob_dict
 from ember.outputs import CompletionOutput, OutputKind, RequestOutput
-from ember.parallel_sampling import SampleGroup
+from ember.parallel_sampling import SampleGroup, child_params
 from ember.sampling_params import SamplingParams
 from ember.stats import RequestMetrics
 from ember.tokenizer import IncrementalDetokenizer
@@ -92,19 +92,25 @@ class OutputProcessor:
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
         kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
+        """Track a request; one with ``params.num_samples > 1`` is a group whose
+        children (``child_id(request_id, i)`` in the core) report as one output."""
+        if params.num_samples == 1:
+            self._add_state(request_id, prompt, prompt_token_ids, params, kind)
+            return
+        group = SampleGroup(request_id, prompt, prompt_token_ids, params)
+        self._groups[request_id] = group
+        for index, cid in enumerate(group.child_ids()):
+            self._child_to_group[cid] = (request_id, index)
+            self._add_state(cid, prompt, prompt_token_ids, child_params(params, index), kind)
+
+    def _add_state(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        kind: OutputKind,
+    ) -> None:
         self._states[request_id] = _State(
             request_id, prompt, prompt_token_ids, params,
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), kind,
         )
-
-    def add_group(
-        self, group: SampleGroup, child_params: list[SamplingParams], kind: OutputKind = OutputKind.CUMULATIVE,
-    ) -> None:
-        """A parallel-sampling request: its children report as one output of the parent."""
-        self._groups[group.parent_id] = group
-        for index, (cid, params) in enumerate(zip(group.child_ids(), child_params)):
-            self._child_to_group[cid] = (group.parent_id, index)
-            self.add_request(cid, group.prompt, group.prompt_token_ids, params, kind)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request (or group); returns the core request ids it had."""

@@ -1,13 +1,14 @@
 """Parallel sampling: one request, several sequences (`n`, `best_of`).
 
 A request with ``params.num_samples == k > 1`` becomes k child requests with the
-same prompt. The first child is scheduled at once; the others join only after it
-has computed its prompt, so that with prefix caching they take the prompt's full
-KV blocks by reference count instead of computing them again (only the prompt's
-last, partial block is computed per child — at most ``block_size`` tokens, no copy).
-Child ``i`` samples with ``seed + i`` when the request has a seed.
+same prompt (the engine core, `ember.engine_core`). The first child is scheduled at
+once; the others join only after it has computed its prompt, so that with prefix
+caching they take the prompt's full KV blocks by reference count instead of
+computing them again (only the prompt's last, partial block is computed per child —
+at most ``block_size`` tokens, no copy). Child ``i`` samples with ``seed + i`` when
+the request has a seed.
 
-The engine reports a group as one request: every output of a child becomes a
+The output processor reports a group as one request: every output of a child becomes a
 `RequestOutput` of the parent id whose ``outputs`` hold all children's
 completions so far (ordered by index) and whose ``index`` says which completion
 this step's ``new_token_ids`` / ``new_text`` belong to; ``finished`` is set once,
@@ -37,8 +38,6 @@ class SampleGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
-    pending: list[int] = field(default_factory=list)  # child indexes not yet admitted
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
 

@@ -106,13 +106,6 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- admission ---------------------------------------------------------
-    def max_tokens_of(self, request: Request) -> int:
-        """Worst-case token count of a request: what must fit the whole pool."""
-        return min(
-            request.num_prompt_tokens + request.sampling_params.max_tokens,
-            self.config.max_model_len,
-        )
-
     def check_request_fits(self, request: Request) -> None:
         """Raise ValueError if the request could never be scheduled."""
         check_request_fits(

@@ -84,10 +84,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
-    @property
-    def request_ids(self) -> list[str]:
-        return list(self.num_scheduled_tokens)
-
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
