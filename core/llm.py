@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 
 from ember.config import EngineConfig
 from ember.engine import LLMEngine
 from ember.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ember.outputs import RequestOutput
-from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import apply_chat_template
 
@@ -62,13 +60,7 @@ class LLM:
             prompt = prompts[i] if prompts is not None else None
             ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
             request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i]))
-        outputs = self._run(request_ids)
-        for out, p in zip(outputs, params):
-            if p.best_of is not None and p.best_of > p.n:
-                # keep the n candidates with the highest cumulative logprob (as vLLM)
-                best = best_completions(out.outputs, p.n)
-                out.outputs = [replace(c, index=i) for i, c in enumerate(best)]
-        return outputs
+        return self._run(request_ids)  # best_of applied by the engine (the output processor)
 
     def beam_search(
         self,

@@ -97,7 +97,7 @@ class OutputProcessor:
         if params.num_samples == 1:
             self._add_state(request_id, prompt, prompt_token_ids, params, kind)
             return
-        group = SampleGroup(request_id, prompt, prompt_token_ids, params)
+        group = SampleGroup(request_id, prompt, prompt_token_ids, params, rank_at_end=kind is OutputKind.CUMULATIVE)
         self._groups[request_id] = group
         for index, cid in enumerate(group.child_ids()):
             self._child_to_group[cid] = (request_id, index)
@@ -184,12 +184,13 @@ class OutputProcessor:
         if state.kind is OutputKind.DELTA:
             completion = CompletionOutput(
                 0, new_text, list(new_ids), state.finish_reason, stop_reason, list(core_out.new_logprobs), new_logprobs,
+                state.params.seed,
             )
             prompt_logprobs = new_prompt_logprobs
         else:
             completion = CompletionOutput(
                 0, state.text, list(state.token_ids), state.finish_reason, stop_reason, list(state.token_logprobs),
-                list(state.logprobs) if state.params.logprobs is not None else None,
+                list(state.logprobs) if state.params.logprobs is not None else None, state.params.seed,
             )
             prompt_logprobs = list(state.prompt_logprobs) if state.params.prompt_logprobs is not None else None
         return RequestOutput(

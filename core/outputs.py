@@ -32,6 +32,8 @@ class CompletionOutput:
     # with SamplingParams.logprobs: per generated token, {token id: Logprob}, the
     # chosen token first, then the top alternatives by rank; None when not asked
     logprobs: list[dict[int, Logprob]] | None = None
+    # the seed this sequence was sampled with (a parallel-sampling child's own: seed + i)
+    seed: int | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -58,5 +60,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # which completion this step's new_token_ids / new_text belong to (n > 1)
     index: int = 0
+    # best_of > n, in the final output: the candidates not chosen, best first (the n
+    # chosen are `outputs`, best first; SamplingParams.best_of_ranking decides)
+    candidates: list[CompletionOutput] | None = None
     # the request's timings as of this output (a copy: the engine keeps updating its own)
     metrics: RequestMetrics | None = None

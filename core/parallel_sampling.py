@@ -38,6 +38,9 @@ class SampleGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    # choose the n best of best_of when the group finishes (cumulative outputs only:
+    # delta outputs hold pieces, nothing to rank)
+    rank_at_end: bool = True
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
 
@@ -58,11 +61,20 @@ class SampleGroup:
         self.completions[index] = completion
         if out.finished:
             self.num_finished += 1
+        outputs = [self.completions[i] for i in sorted(self.completions)]
+        candidates = None
+        params = self.params
+        if self.is_finished and self.rank_at_end and params.best_of is not None and params.best_of > params.n:
+            # the one place best_of is decided: the n best first, the others kept in order
+            ranked = best_completions(outputs, len(outputs), by=params.best_of_ranking)
+            outputs = [replace(c, index=i) for i, c in enumerate(ranked[: params.n])]
+            candidates = [replace(c, index=params.n + i) for i, c in enumerate(ranked[params.n :])]
         return RequestOutput(
             request_id=self.parent_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.completions[i] for i in sorted(self.completions)],
+            outputs=outputs,
+            candidates=candidates,
             finished=self.is_finished,
             new_token_ids=out.new_token_ids,
             new_text=out.new_text,

@@ -81,6 +81,9 @@ class SamplingParams:
     # candidates; they share the prompt's KV blocks (docs/sampling.md).
     n: int = 1
     best_of: int | None = None
+    # How the n completions are chosen from best_of candidates: by "cumulative"
+    # logprob (vLLM, OpenAI) or by "mean" logprob per token (TGI).
+    best_of_ranking: str = "cumulative"
 
     def __post_init__(self) -> None:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
@@ -131,6 +134,8 @@ class SamplingParams:
             or not self.n <= self.best_of <= MAX_PARALLEL_SAMPLES
         ):
             raise ValueError(f"best_of must be an integer in [n={self.n}, {MAX_PARALLEL_SAMPLES}], got {self.best_of!r}")
+        if self.best_of_ranking not in ("cumulative", "mean"):
+            raise ValueError(f"best_of_ranking must be 'cumulative' or 'mean', got {self.best_of_ranking!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (

@@ -91,3 +91,25 @@ def test_abort_all_drops_groups_with_pending_siblings(llm):
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_best_of_is_chosen_once_by_the_engine_with_the_requests_ranking(llm):
+    """The final output holds the n chosen (best first) and the other candidates; each
+    completion reports the seed that reproduces it alone. TGI ranks by mean logprob."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=1, best_of=4, seed=30, ignore_eos=True,
+                            best_of_ranking="mean")
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0]
+    assert len(out.outputs) == 1 and len(out.candidates) == 3
+
+    def mean(c):
+        return c.cumulative_logprob / len(c.token_ids)
+
+    assert all(mean(out.outputs[0]) >= mean(c) for c in out.candidates)
+    assert [mean(c) for c in out.candidates] == sorted((mean(c) for c in out.candidates), reverse=True)
+    assert sorted(c.seed for c in out.outputs + out.candidates) == [30, 31, 32, 33]
+    for c in out.outputs + out.candidates:
+        alone = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+            temperature=1.0, max_tokens=6, seed=c.seed, ignore_eos=True))[0].outputs[0]
+        assert alone.token_ids == c.token_ids
+    with pytest.raises(ValueError, match="best_of_ranking"):
+        SamplingParams(best_of_ranking="median")

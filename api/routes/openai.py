@@ -29,7 +29,6 @@ from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.outputs import OutputKind, RequestOutput
-from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 
 TOOLS_ISSUE = "the tool-calling issue"
@@ -312,22 +311,23 @@ class OpenAIRoutes:
                 task.cancel()
 
     async def _final_outputs(self, jobs: list[_Job]) -> list[RequestOutput]:
-        """One finished view per returned choice, in choice order (best_of applied)."""
-        finals: list[RequestOutput | None] = [None] * sum(job.params.num_samples for job in jobs)
-        async with aclosing(self._outputs(jobs)) as outs:
-            async for index, out in outs:
-                if out.finished:
-                    finals[index] = out
-        assert all(out is not None for out in finals)
-        chosen: list[RequestOutput] = []
-        for job in jobs:
-            k, n = job.params.num_samples, job.params.n
-            candidates = finals[job.index * k : (job.index + 1) * k]
-            if k > n:  # best_of: the n with the highest cumulative logprob (as vLLM)
-                best = best_completions([c.outputs[0] for c in candidates], n)
-                candidates = [next(c for c in candidates if c.outputs[0] is b) for b in best]
-            chosen.extend(candidates)
-        return chosen  # type: ignore[return-value]
+        """One finished view per returned choice, in choice order: each job's final
+        output holds its n completions (the n best of best_of, chosen by the engine)."""
+
+        async def final(job: _Job) -> RequestOutput:
+            last = None
+            async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority)) as outs:
+                async for last in outs:
+                    pass
+            return last
+
+        tasks = [asyncio.ensure_future(final(job)) for job in jobs]
+        try:
+            finals = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one failed (or the client left): the others are aborted
+                task.cancel()
+        return [replace(out, outputs=[replace(c, index=0)]) for out in finals for c in out.outputs]
 
     async def _run(self, request: Request, jobs: list[_Job]) -> list[RequestOutput] | None:
         """Run to the end; None if the client left (its requests are then aborted)."""

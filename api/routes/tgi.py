@@ -19,7 +19,6 @@ from ember.api.service import GenerationService
 from ember.api.sse import EventStreamResponse, sse_event
 from ember.logprobs import Logprob
 from ember.outputs import OutputKind, RequestOutput
-from ember.parallel_sampling import best_completions
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
@@ -61,6 +60,7 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
             prompt_logprobs=0 if p.decoder_input_details else None,
             extra=with_watermark(p.extra, p.watermark),
             best_of=best_of,
+            best_of_ranking="mean",  # TGI's best_of: the highest mean logprob wins
         )
     except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
         raise validation_error(str(exc), "parameters") from None
@@ -154,10 +154,9 @@ class TGIRoutes:
                 out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
-        # best_of: the candidate with the highest mean logprob wins (as TGI); the others
-        # are reported in details.best_of_sequences
-        ranked = best_completions(out.outputs, len(out.outputs), by="mean")
-        views = [replace(out, outputs=[c]) for c in ranked]
+        # best_of: the engine ranked the candidates by mean logprob (as TGI); the best
+        # answers, the others are reported in details.best_of_sequences
+        views = [replace(out, outputs=[c]) for c in out.outputs + (out.candidates or [])]
         response: dict = {"generated_text": self._text(body, views[0])}
         if body.parameters.details:
             details = self._details(body, ids, params, views[0])
@@ -184,11 +183,10 @@ class TGIRoutes:
             for t, lp in zip(completion.token_ids, completion.token_logprobs)
         ]
         num_top = body.parameters.top_n_tokens or 0
-        seed = None if params.seed is None else (params.seed + completion.index) % 2**64  # child i: seed + i
         return tgi.Details(
             finish_reason=finish_reason(out, service.model_info.eos_token_ids),
             generated_tokens=len(completion.token_ids),
-            seed=seed,
+            seed=completion.seed,  # a best_of candidate's own (child i: seed + i)
             prefill=prefill_tokens(service, ids, out) if body.parameters.decoder_input_details else [],
             tokens=tokens,
             top_tokens=[top_tokens(service, lp, num_top) for lp in completion.logprobs] if num_top else [],
