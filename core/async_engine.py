@@ -371,6 +371,8 @@ class AsyncLLMEngine(EngineClient):
                 kind = message[0]
                 if kind == "outputs":
                     self._handle(message[1])
+                elif kind == "stats":
+                    self._stats = message[1]
                 elif kind == "add_failed":
                     self._fail([message[1]], ValueError(message[2]))
                 elif kind == "step_failed":

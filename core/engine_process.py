@@ -6,7 +6,8 @@ The parent sends commands and receives `EngineCoreOutputs`, all pickled by
 * parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``,
   ``("shutdown",)``;
 * core -> parent: ``("ready", ModelInfo)`` or ``("failed", exception)`` once at start,
-  then ``("outputs", EngineCoreOutputs)`` per step, ``("add_failed", request_id,
+  then ``("outputs", EngineCoreOutputs)`` per step, ``("stats", EngineStats)`` when it
+  goes idle, ``("add_failed", request_id,
   message)`` for a request the core refused, ``("step_failed", message, ids)`` when a
   step raised (the core aborted its requests and goes on).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import threading
 from multiprocessing.connection import Connection
 
 from ember.config import EngineConfig
@@ -47,6 +49,8 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     while True:
         # Block for a command when idle; between steps take whatever has arrived.
         while not core.has_unfinished_requests() or conn.poll(0):
+            if not core.has_unfinished_requests() and not conn.poll(0):
+                conn.send(("stats", core.stats()))  # idle now: the counts after the last aborts
             try:
                 message = conn.recv()
             except (EOFError, OSError):
@@ -78,6 +82,9 @@ class EngineCoreProcess:
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
+        # the event loop (new requests, aborts) and the reader thread (stop strings)
+        # both send: one message at a time on the pipe
+        self._send_lock = threading.Lock()
         level = logging.getLogger().getEffectiveLevel()
         self.process = ctx.Process(
             target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=True
@@ -99,10 +106,12 @@ class EngineCoreProcess:
         logger.info("engine core runs in process %d", self.process.pid)
 
     def add(self, request) -> None:
-        self.conn.send(("add", request))
+        with self._send_lock:
+            self.conn.send(("add", request))
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.conn.send(("abort", list(request_ids), status))
+        with self._send_lock:
+            self.conn.send(("abort", list(request_ids), status))
 
     def recv(self, timeout: float) -> tuple | None:
         """The next message from the core, or None after ``timeout`` seconds.
@@ -117,7 +126,8 @@ class EngineCoreProcess:
 
     def close(self, timeout: float = 10.0) -> None:
         try:
-            self.conn.send(("shutdown",))
+            with self._send_lock:
+                self.conn.send(("shutdown",))
         except (OSError, ValueError):
             pass
         self.process.join(timeout)

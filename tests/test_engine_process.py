@@ -135,3 +135,37 @@ def test_the_server_with_the_core_in_a_process(tiny_llama_dir):
         assert info["max_total_tokens"] > 0
         r = httpx.post(f"{url}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}}, timeout=10)
         assert r.status_code == 422
+
+
+def test_many_streams_with_stop_strings_and_aborts_in_process_mode(tiny_llama_dir):
+    """The event loop (adds, aborts) and the reader thread (stop-string finishes) both
+    write to the core's pipe: under load every request still ends as it should."""
+    engine = AsyncLLMEngine.with_engine_process(_config(tiny_llama_dir))
+
+    async def one(i):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=24, stop=["e", "a"], ignore_eos=True)
+        agen = engine.generate(f"prompt {i}", params)
+        if i % 3 == 0:  # leave early: an abort from the event loop
+            await agen.__anext__()
+            await agen.aclose()
+            return None
+        outs = [out async for out in agen]
+        return outs[-1]
+
+    async def main():
+        engine.start()
+        try:
+            finals = await asyncio.gather(*(one(i) for i in range(24)))
+            for i, out in enumerate(finals):
+                if out is not None:
+                    assert out.finished and out.outputs[0].finish_reason in ("stop", "length"), (i, out)
+            for _ in range(200):
+                stats = engine.stats()
+                if stats.num_running == 0 and stats.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
