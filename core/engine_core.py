@@ -7,6 +7,7 @@ Tokenizing, validation and detokenization happen outside it, once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -171,6 +172,12 @@ class EngineCore:
             num_blocks, block_size, num_blocks * block_size,
             num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
         )
+        # Everything alive now (the model's modules, the tokenizer's tables, imports)
+        # lives as long as the engine: keep it out of the garbage collector's scans,
+        # which otherwise walk it on every full collection during the steps (as vLLM's
+        # engine core does after start-up).
+        gc.collect()
+        gc.freeze()
 
     @torch.inference_mode()
     def _profile_forward(self, attention, num_tokens: int, block_size: int, max_num_seqs: int) -> None:
