@@ -53,7 +53,6 @@ class Request:
     arrival_index: int = 0  # set by the scheduler: FCFS order within a priority level
     priority: int = 0  # lower is scheduled first (and preempted last)
     num_preemptions: int = 0  # times its KV was freed to be recomputed later
-    prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # filled only when sampling_params.logprobs / prompt_logprobs ask; prompt_logprobs
