@@ -25,8 +25,7 @@ from ember.engine import LLMEngine
 from ember.engine_client import EngineClient, EngineDeadError, EngineStats, ModelInfo, RequestAbortedError
 from ember.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from ember.input_processor import InputProcessor
-from ember.logits_pipeline import LogitsPipeline
-from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
+from ember.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsProcessorContext
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager

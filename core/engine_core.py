@@ -19,8 +19,7 @@ from ember.config import EngineConfig, SchedulerConfig
 from ember.engine_client import EngineStats, ModelInfo
 from ember.kv_cache_manager import KVCacheManager
 from ember.kv_sizing import check_kv_cache, resolve_max_model_len
-from ember.logits_pipeline import LogitsPipeline
-from ember.logits_processor import LogitsProcessorContext
+from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
 from ember.model_loader import get_model_class, load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
 from ember.models.base import KVCacheSpec

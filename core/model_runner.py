@@ -12,8 +12,7 @@ import torch
 
 from ember.backend import BaseAttention, BaseBackend
 from ember.input_batch import InputBatch, RunnerRequest
-from ember.logits_pipeline import LogitsPipeline
-from ember.logits_processor import SamplingRow
+from ember.logits_processor import LogitsPipeline, SamplingRow
 from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.models.base import BaseCausalLM
 from ember.sampler import Sampler

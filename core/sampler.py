@@ -2,7 +2,7 @@
 
 Core does the standard controls itself, as tensor operations over the rows that use
 each one (an operation no row uses does not run), in transformers' `generate` order,
-with the plugins' processors (:class:`ember.logits_pipeline.LogitsPipeline`) run
+with the plugins' processors (:class:`ember.logits_processor.LogitsPipeline`) run
 between its steps by their ``order``:
 
 1. adjustments, greedy rows included: ``logit_bias``, repetition penalty
@@ -25,8 +25,7 @@ from itertools import chain
 
 import torch
 
-from ember.logits_pipeline import LogitsPipeline, repair_non_finite
-from ember.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, SamplingRow
+from ember.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, LogitsPipeline, SamplingRow, repair_non_finite
 from ember.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
@@ -76,12 +75,14 @@ class Sampler:
             for word in params.bad_words_token_ids:
                 _check_ids(word, self.vocab_size, "bad_words_token_ids")
             _check_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
-        self.pipeline.validate(params)
+        if params.uses_plugin_processors:
+            self.pipeline.validate(params)
 
     def remove_request(self, request_id: str) -> None:
         """The request finished or was aborted: drop its generator and processor state."""
         self._generators.pop(request_id, None)
-        self.pipeline.remove_request(request_id)
+        if request_id in self.pipeline.active:
+            self.pipeline.remove_request(request_id)
 
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -100,9 +101,9 @@ class Sampler:
         for row in rows:
             p = row.params
             if not p.is_greedy or p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
-                    or p.presence_penalty != 0.0 or p.bad_words_token_ids or row.num_output_tokens < p.min_tokens:
+                    or p.presence_penalty != 0.0 or p.bad_words_token_ids or len(row.output_token_ids) < p.min_tokens:
                 return False
-        return not self.pipeline.uses_any(rows)
+        return not any(row.params.uses_plugin_processors for row in rows) or not self.pipeline.uses_any(rows)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-7 of the module docstring on float32 ``logits`` (changed in place);
@@ -114,19 +115,22 @@ class Sampler:
             (_frequency_presence_penalty,
              [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]),
             (_bad_words, [i for i, p in enumerate(params) if p.bad_words_token_ids]),
-            (_min_tokens, [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]),
+            (_min_tokens, [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]),
         )
         for op, indices in adjustments:
             if indices:
                 logits = _on_rows(op, logits, rows, indices)
-        logits = self.pipeline.apply(logits, rows, None, ORDER_TEMPERATURE)
+        piped = any(p.uses_plugin_processors for p in params)  # else the pipeline has nothing to do
+        if piped:
+            logits = self.pipeline.apply(logits, rows, None, ORDER_TEMPERATURE)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             vocab = logits.shape[-1]
             temperature = [i for i in sampled if params[i].temperature != 1.0]
             if temperature:
                 logits = _on_rows(_temperature, logits, rows, temperature)
-            logits = self.pipeline.apply(logits, rows, ORDER_TEMPERATURE, ORDER_TRUNCATE)
+            if piped:
+                logits = self.pipeline.apply(logits, rows, ORDER_TEMPERATURE, ORDER_TRUNCATE)
             truncations = (
                 (_top_k, [i for i in sampled if 0 < params[i].top_k < vocab]),
                 (_top_p, [i for i in sampled if params[i].top_p < 1.0]),
@@ -135,7 +139,8 @@ class Sampler:
             for op, indices in truncations:
                 if indices:
                     logits = _on_rows(op, logits, rows, indices)
-            logits = self.pipeline.apply(logits, rows, ORDER_TRUNCATE, None)
+            if piped:
+                logits = self.pipeline.apply(logits, rows, ORDER_TRUNCATE, None)
         return repair_non_finite(logits)
 
     def draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

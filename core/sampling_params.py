@@ -184,6 +184,12 @@ class SamplingParams:
         return tuple(name for name in PLUGIN_FIELDS if getattr(self, name) != _PLUGIN_FIELD_DEFAULTS[name])
 
     @property
+    def uses_plugin_processors(self) -> bool:
+        """Whether the request names any plugin processor (an `extra` key or a
+        PLUGIN_FIELDS field set): only then does it go through the pipeline."""
+        return bool(self.extra) or any(getattr(self, name) != _PLUGIN_FIELD_DEFAULTS[name] for name in PLUGIN_FIELDS)
+
+    @property
     def num_samples(self) -> int:
         """How many sequences the engine runs for this request (best_of, else n)."""
         return self.best_of or self.n

@@ -15,7 +15,7 @@ from transformers.generation import logits_process as hf
 
 import ember
 from ember import SamplingParams
-from ember.logits_pipeline import LogitsPipeline
+from ember.logits_processor import LogitsPipeline
 from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugin import create_plugin_manager
 from ember.plugins.logits.typical import TypicalP

@@ -16,7 +16,7 @@ from transformers.generation import logits_process as hf
 
 from ember import SamplingParams
 from ember import sampler as sampler_module
-from ember.logits_pipeline import LogitsPipeline
+from ember.logits_processor import LogitsPipeline
 from ember.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugins.logits.typical import TypicalP
 from ember.sampler import Sampler

@@ -54,6 +54,10 @@ def check_logits_processor(
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for i, p in enumerate(params):
+        assert cls.name in p.extra or set(cls.params_fields) & set(p.plugin_fields_used), (
+            f"params[{i}] does not name {cls.name!r} (an extra key {cls.name!r} or a field of its params_fields): "
+            "the pipeline asks is_enabled only of the processors a request names"
+        )
         assert cls.is_enabled(p) is True, f"params[{i}] does not switch {cls.name!r} on (is_enabled)"
         cls(context).validate(p)
         prompt = torch.randint(0, vocab, (3 + i,), generator=gen).tolist()
