@@ -32,7 +32,7 @@ from ember.plugin import create_plugin_manager
 from ember.request import RequestStatus
 from ember.sampler import Sampler
 from ember.sampling_params import SamplingParams
-from ember.stats import StepStats
+from ember.step import StepStats
 from ember.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)

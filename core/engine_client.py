@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ember.logits_processor import BaseLogitsProcessor
     from ember.outputs import RequestOutput
     from ember.sampling_params import SamplingParams
-    from ember.stats import StepStats
+    from ember.step import StepStats
 
 
 class EngineDeadError(RuntimeError):

@@ -30,7 +30,7 @@ from ember.plugin.manager import EmberPluginManager
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
-from ember.stats import StepStats, record_step
+from ember.step import StepStats, record_step
 from ember.step import SchedulerOutput
 from ember.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.weights import resolve_model

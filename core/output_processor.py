@@ -23,7 +23,7 @@ from ember.logprobs import Logprob, PositionLogprobs, to_logprob_dict
 from ember.outputs import CompletionOutput, OutputKind, RequestOutput
 from ember.parallel_sampling import SampleGroup, child_params
 from ember.sampling_params import SamplingParams
-from ember.stats import RequestMetrics
+from ember.step import RequestMetrics
 from ember.tokenizer import IncrementalDetokenizer
 
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob
-from ember.stats import RequestMetrics
+from ember.step import RequestMetrics
 
 
 class OutputKind(enum.Enum):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ember.logprobs import PositionLogprobs
 from ember.sampling_params import SamplingParams
-from ember.stats import RequestMetrics
+from ember.step import RequestMetrics
 
 
 class RequestStatus(enum.Enum):
