@@ -154,7 +154,7 @@ class BaseLogitsProcessor(abc.ABC):
 # and calls :meth:`LogitsPipeline.apply` once per band of ``order`` between its own
 # steps: core adjustments, processors with ``order < ORDER_TEMPERATURE``, temperature,
 # processors in ``[ORDER_TEMPERATURE, ORDER_TRUNCATE)``, top-k / top-p / min-p,
-# processors with ``order >= ORDER_TRUNCATE`` (typical-p), then `repair_non_finite`,
+# processors with ``order >= ORDER_TRUNCATE`` (typical-p), then the sampler's `repair_non_finite`,
 # so that the sampler always draws from a distribution: every row finite or -inf (a
 # ban) with at least one finite entry.
 
@@ -301,27 +301,3 @@ class LogitsPipeline:
                 self.processors[k].add_request(row.request_id, params, row.prompt_token_ids)
             self.active[row.request_id] = active
         return active
-
-
-def repair_non_finite(logits: torch.Tensor) -> torch.Tensor:
-    """Make every row of ``logits`` a distribution the sampler can draw from, in place.
-
-    A processor can push a logit past float32's range (a huge bias, a penalty near 0, a
-    third party's bug) and softmax of infinities is NaN, which would pick token 0 and
-    report a NaN logprob. In a row that has NaN or +inf: NaN is a ban (-inf); if +inf
-    remains, its tokens are the only ones left, equally likely; a row with nothing
-    finite left is uniform. One max per row finds such rows: they are rare.
-    """
-    if logits.numel() == 0:
-        return logits
-    row_max = logits.amax(dim=-1)  # NaN if the row has a NaN, +inf if it has +inf, -inf if all are banned
-    bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
-    for i in bad:
-        row = logits[i]
-        row.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        is_top = torch.isposinf(row)
-        if is_top.any():
-            row.copy_(torch.where(is_top, 0.0, float("-inf")))
-        elif not torch.isfinite(row).any():
-            row.zero_()
-    return logits

@@ -25,7 +25,7 @@ from itertools import chain
 
 import torch
 
-from ember.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, LogitsPipeline, SamplingRow, repair_non_finite
+from ember.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, LogitsPipeline, SamplingRow
 from ember.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
@@ -378,3 +378,27 @@ def _min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     remove = probs < threshold
     remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
     return logits.masked_fill_(remove, NEG_INF)
+
+
+def repair_non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Make every row of ``logits`` a distribution the sampler can draw from, in place.
+
+    A processor can push a logit past float32's range (a huge bias, a penalty near 0, a
+    third party's bug) and softmax of infinities is NaN, which would pick token 0 and
+    report a NaN logprob. In a row that has NaN or +inf: NaN is a ban (-inf); if +inf
+    remains, its tokens are the only ones left, equally likely; a row with nothing
+    finite left is uniform. One max per row finds such rows: they are rare.
+    """
+    if logits.numel() == 0:
+        return logits
+    row_max = logits.amax(dim=-1)  # NaN if the row has a NaN, +inf if it has +inf, -inf if all are banned
+    bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+    for i in bad:
+        row = logits[i]
+        row.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        is_top = torch.isposinf(row)
+        if is_top.any():
+            row.copy_(torch.where(is_top, 0.0, float("-inf")))
+        elif not torch.isfinite(row).any():
+            row.zero_()
+    return logits

@@ -316,7 +316,7 @@ def test_extreme_penalties_give_finite_logprobs(server):
 
 
 def test_repair_non_finite_leaves_a_distribution_in_every_row():
-    from ember.logits_processor import repair_non_finite
+    from ember.sampler import repair_non_finite
 
     inf, nan = float("inf"), float("nan")
     logits = torch.tensor([
