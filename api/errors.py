@@ -13,7 +13,7 @@ import json
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from ember.api.context import current
+from ember.api.observability import current
 
 
 class Flavor(enum.Enum):

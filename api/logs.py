@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import datetime, timezone
-
-from ember.api.context import current
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _current_request():
+    """The current request's context, or None. Looked up without importing
+    `ember.api.observability` (it imports torch, Prometheus and OpenTelemetry, which
+    the CLI's offline commands do not need): until a server imports it, no request is current."""
+    current_of_server = getattr(sys.modules.get("ember.api.observability"), "current", None)
+    return None if current_of_server is None else current_of_server()
+
+
 class RequestContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        ctx = current()
+        ctx = _current_request()
         if not hasattr(record, "request_id"):
             record.request_id = ctx.request_id if ctx is not None else None
         if not hasattr(record, "trace_id"):

@@ -24,13 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ember.api.errors import APIError, Flavor, error_response
-from ember.api.lifecycle import Lifecycle
-from ember.api.metrics import ServerMetrics
-from ember.api.middleware import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
+from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
+from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.tgi import TGIRoutes
 from ember.api.plugin_context import plugin_routes
-from ember.api.service import GenerationService, ServedModel
+from ember.api.service import GenerationService, Lifecycle, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
 from ember.async_engine import AsyncLLMEngine
 from ember.engine_client import EngineClient
@@ -60,7 +59,6 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     with an in-memory exporter); without one, ``settings.otlp_endpoint`` makes one.
     """
     import ember
-    from ember.api.tracing import Tracing, create_otlp_provider
 
     model = engine.model_info
     limits = resolve_limits(settings, model.max_model_len, model.num_kv_cache_tokens, model.max_num_batched_tokens)

@@ -10,8 +10,8 @@ import logging
 import httpx
 import pytest
 
-from ember.api.context import RequestContext, activate, deactivate
 from ember.api.logs import create_handler
+from ember.api.observability import RequestContext, activate, deactivate
 from server_utils import running_server
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -6,21 +6,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember.api.lifecycle import Lifecycle
 from ember.api.openapi import documented
 from ember.api.schemas import tgi
-from ember.api.service import GenerationService
+from ember.api.service import GenerationService, Lifecycle
 from ember.sampling_params import MAX_PARALLEL_SAMPLES
-
-
-
-def with_watermark(extra: dict | None, is_watermarked: bool | None) -> dict:
-    """``extra`` with the watermark processor switched on (TGI's ``watermark: true``);
-    its parameters, if ``extra`` already names it, are kept."""
-    extra = dict(extra or {})
-    if is_watermarked:
-        extra.setdefault("watermark", {})
-    return extra
 
 
 class CommonRoutes:

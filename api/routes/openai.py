@@ -22,12 +22,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
-from ember.api.http import ClientDisconnected, read_model, unless_disconnected
+from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
 from ember.api.openapi import documented
-from ember.api.routes.common import with_watermark
 from ember.api.schemas import openai as oa
-from ember.api.service import GenerationService
-from ember.api.sse import EventStreamResponse, sse_event
+from ember.api.service import GenerationService, with_watermark
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 
