@@ -33,7 +33,8 @@ from ember.request import RequestStatus
 from ember.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.step import StepStats
-from ember.tokenizer import apply_chat_template, load_tokenizer
+from ember.input_processor import apply_chat_template
+from ember.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

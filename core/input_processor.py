@@ -1,4 +1,4 @@
-"""Validation, once, before a request enters the engine core.
+"""Chat templates and validation, once, before a request enters the engine core.
 
 The :class:`InputProcessor` turns a prompt (text or token ids) and its
 `SamplingParams` into the core's request, or raises ValueError naming the problem:
@@ -13,11 +13,27 @@ keeps no per-request state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ember.engine_client import ModelInfo
 from ember.request import check_priority
 from ember.sampling_params import SamplingParams
 from ember.scheduler import check_request_fits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class InputProcessor:

@@ -9,7 +9,7 @@ from ember.engine import LLMEngine
 from ember.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
-from ember.tokenizer import apply_chat_template
+from ember.input_processor import apply_chat_template
 
 
 class LLM:

@@ -18,13 +18,73 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ember.logprobs import Logprob, PositionLogprobs, to_logprob_dict
 from ember.outputs import CompletionOutput, OutputKind, RequestOutput
 from ember.parallel_sampling import SampleGroup, child_params
 from ember.sampling_params import SamplingParams
 from ember.step import RequestMetrics
-from ember.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+
+class IncrementalDetokenizer:
+    """Streams text for one request's output ids.
+
+    Decodes a sliding window (prefix_offset .. end) and emits only what extends
+    the window's previous decode, holding back a trailing U+FFFD (an incomplete
+    multi-byte character) until the next token completes it, so the emitted
+    pieces concatenate to the decode of all output ids.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        # A fast tokenizer's Rust decoder directly: what its Python `decode` calls,
+        # without the wrapper's per-call work (two decodes a token add up). Only when
+        # the wrapper would not change the text afterwards (no space clean-up).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            self._backend = backend
+            self._decode = self._decode_backend
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_backend(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Append ids; return the text they complete (may be empty)."""
+        delta = []
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.token_ids[self.prefix_offset :])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                piece = new_text[len(prefix_text) :]
+                delta.append(piece)
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.token_ids)
+        text = "".join(delta)
+        self.text += text
+        return text
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever was held back."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        piece = new_text[len(prefix_text) :] if new_text.startswith(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += piece
+        return piece
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ember.tokenizer import IncrementalDetokenizer
+from ember.output_processor import IncrementalDetokenizer
 
 from tiny_models import byte_tokenizer
 

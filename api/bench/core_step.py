@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ember.api.bench.datasets import DatasetSpec, create_requests
-    from ember.tokenizer import apply_chat_template, load_tokenizer
+    from ember.input_processor import apply_chat_template
+    from ember.tokenizer import load_tokenizer
     from ember.weights import resolve_model
 
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens),

@@ -25,7 +25,7 @@ def benchmark_offline(engine: Any, requests: list[BenchRequest], load: LoadConfi
     result (see `metrics.build_result`). A request the engine refuses (ValueError:
     too long for the context, ...) is a failure, not an exception."""
     from ember import SamplingParams
-    from ember.tokenizer import apply_chat_template
+    from ember.input_processor import apply_chat_template
 
     if engine.has_unfinished_requests():
         raise RuntimeError("benchmark_offline needs an idle engine")
