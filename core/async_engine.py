@@ -29,7 +29,7 @@ from ember.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsPr
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager
-from ember.request import RequestStatus
+from ember.scheduler import RequestStatus
 from ember.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.step import StepStats

@@ -18,7 +18,8 @@ from ember.input_processor import InputProcessor
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
 from ember.plugin.manager import EmberPluginManager
-from ember.request import RequestStatus, check_priority
+from ember.input_processor import check_priority
+from ember.scheduler import RequestStatus
 from ember.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "select_backend"]

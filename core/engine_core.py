@@ -27,7 +27,7 @@ from ember.output_processor import EngineCoreOutput
 from ember.parallel_sampling import child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
-from ember.request import Request, RequestStatus
+from ember.scheduler import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Scheduler
 from ember.step import StepStats, record_step

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from ember.config import EngineConfig
 from ember.engine_client import ModelInfo
-from ember.request import RequestStatus
+from ember.scheduler import RequestStatus
 
 logger = logging.getLogger(__name__)
 

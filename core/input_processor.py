@@ -16,9 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ember.engine_client import ModelInfo
-from ember.request import check_priority
 from ember.sampling_params import SamplingParams
-from ember.scheduler import check_request_fits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,6 +32,40 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority is a plain integer (lower runs first); ValueError names anything else."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+    return priority
+
+
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, *, max_model_len: int, chunked_prefill: bool,
+    max_num_batched_tokens: int, num_kv_blocks: int, block_size: int,
+) -> None:
+    """Raise ValueError naming the limit if a request could never be scheduled: a
+    prompt that leaves no room in the context, one larger than a step without chunked
+    prefill, or a worst case (prompt + max_tokens, capped at the context) larger than
+    the whole KV cache. A pure function of the engine's figures, so that validation
+    outside the engine core (another thread or process) asks the same question."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens; the model's context "
+            f"(max_model_len) is {max_model_len}, which leaves no room for a generated token"
+        )
+    if not chunked_prefill and num_prompt_tokens > max_num_batched_tokens:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens ({max_num_batched_tokens})"
+        )
+    needed = -(-min(num_prompt_tokens + max_tokens, max_model_len) // block_size)
+    if needed > num_kv_blocks:
+        raise ValueError(
+            f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + max_tokens {max_tokens} tokens) "
+            f"but the whole KV cache has {num_kv_blocks}"
+        )
 
 
 class InputProcessor:

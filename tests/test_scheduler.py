@@ -9,7 +9,7 @@ import pytest
 
 from ember.config import SchedulerConfig
 from ember.kv_cache_manager import KVCacheManager
-from ember.request import Request, RequestStatus
+from ember.scheduler import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler import ModelRunnerOutput, Scheduler
 from ember.step import SchedulerOutput
