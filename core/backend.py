@@ -233,3 +233,17 @@ class BaseBackend(ABC):
 
     def describe(self) -> str:
         return f"{self.name} ({self.device})"
+
+
+def select_backend(registry, name: str | None) -> BaseBackend:
+    """An instance of the backend ``name`` from the ``backends`` registry, or (None) of
+    the available one with the highest priority; ValueError / RuntimeError say why not."""
+    if name is not None:
+        cls = registry.get(name)
+        if not cls.is_available():
+            raise ValueError(f"backend {name!r} is not available on this machine")
+        return cls()
+    available = [cls for _, cls in registry.items() if cls.is_available()]
+    if not available:
+        raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
+    return max(available, key=lambda c: c.priority)()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 from ember.config import EngineConfig
-from ember.engine_core import EngineCore, EngineCoreRequest, select_backend
+from ember.engine_core import EngineCore, EngineCoreRequest
 from ember.input_processor import InputProcessor
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
@@ -22,7 +22,7 @@ from ember.input_processor import check_priority
 from ember.scheduler import RequestStatus
 from ember.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "select_backend"]
+__all__ = ["LLMEngine"]
 
 
 class LLMEngine:

@@ -3,52 +3,53 @@ step. Everything that crosses its boundary is a plain value — `EngineCoreReque
 `EngineCoreOutputs` out — so the core runs in the caller's thread (`LLMEngine`), in
 a thread beside an event loop or in a process of its own (`ember.async_engine`).
 Tokenizing, validation and detokenization happen outside it, once.
+
+In a process of its own (:class:`EngineCoreProcess`, `ember serve --engine-mode
+process`; started with ``spawn``, since a forked copy of a process running torch
+threads can deadlock) the core loads plugins from the ``ember`` entry points itself
+and talks over a `multiprocessing` pipe, everything pickled by
+`multiprocessing.connection` (no protocol of our own); it exits when the parent
+closes the pipe or dies:
+
+* parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``, ``("shutdown",)``;
+* core -> parent: ``("ready", ModelInfo)`` or ``("failed", exception)`` once at start,
+  then ``("outputs", EngineCoreOutputs)`` per step, ``("stats", EngineStats)`` when it
+  goes idle, ``("add_failed", request_id, message)`` for a request the core refused,
+  ``("step_failed", message, ids)`` when a step raised (its requests are aborted).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
+import pickle
+import threading
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 
 import torch
 
-from ember.backend import AttentionBatch, BaseBackend, SequenceSlice
+from ember.backend import select_backend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.engine_client import EngineStats, ModelInfo
 from ember.kv_cache_manager import KVCacheManager
-from ember.kv_sizing import check_kv_cache, resolve_max_model_len
+from ember.kv_sizing import check_kv_cache, kv_cache_spec_from_config, profile_kv_budget, resolve_max_model_len
 from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
-from ember.model_loader import get_model_class, load_hf_config, load_model, model_dtype
+from ember.model_loader import load_hf_config, load_model, model_dtype
 from ember.model_runner import ModelRunner
-from ember.models.base import KVCacheSpec
 from ember.output_processor import EngineCoreOutput
 from ember.parallel_sampling import child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
-from ember.scheduler import Request, RequestStatus
 from ember.sampling_params import SamplingParams
-from ember.scheduler import Scheduler
-from ember.step import StepStats, record_step
-from ember.step import SchedulerOutput
+from ember.scheduler import Request, RequestStatus, Scheduler
+from ember.step import SchedulerOutput, StepStats, record_step
 from ember.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.weights import resolve_model
 
 logger = logging.getLogger(__name__)
-
-
-def select_backend(pm: EmberPluginManager, name: str | None) -> BaseBackend:
-    registry = pm.registries.backends
-    if name is not None:
-        cls = registry.get(name)
-        if not cls.is_available():
-            raise ValueError(f"backend {name!r} is not available on this machine")
-        return cls()
-    available = [cls for _, cls in registry.items() if cls.is_available()]
-    if not available:
-        raise RuntimeError(f"no hardware backend is available; registered: {registry.names()}")
-    return max(available, key=lambda c: c.priority)()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ class EngineCore:
             disabled=config.disabled_plugins, required=config.required_plugins
         )
         self.plugin_manager.hook.ember_configure(config=config)
-        self.backend = select_backend(self.plugin_manager, config.backend)
+        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend)
         self.num_threads = self.backend.configure_threads(config.num_threads)
 
         self.model_dir = resolve_model(config.model, config.revision)
@@ -110,7 +111,7 @@ class EngineCore:
         if num_blocks is not None:
             check_kv_cache(num_blocks, config, self.max_model_len)
         elif config.kv_cache_memory_bytes is not None:
-            spec = self._kv_cache_spec_before_loading(attention, architectures)
+            spec = kv_cache_spec_from_config(self.hf_config, self.backend, self.dtype, attention, architectures)
             budget = config.kv_cache_memory_bytes
             num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
             check_kv_cache(num_blocks, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
@@ -129,18 +130,10 @@ class EngineCore:
         if num_blocks is None:
             # The backend's share of the memory left after the weights and the peak of
             # a profiling forward pass at the largest step (vLLM's approach).
-            model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            num_profile = min(max_batched, max_model_len)
-            started = time.perf_counter()
-            activation_bytes = self.backend.peak_memory_of(
-                lambda: self._profile_forward(attention, num_profile, block_size, config.max_num_seqs)
+            budget = profile_kv_budget(
+                self.model, self.backend, attention, self.kv_dtype, min(max_batched, max_model_len), block_size,
+                config.max_num_seqs,
             )
-            logger.info(
-                "profiling forward pass of %d tokens: peak %s in %.2f s", num_profile,
-                "unknown" if activation_bytes is None else f"{activation_bytes / 2**20:.1f} MiB",
-                time.perf_counter() - started,
-            )
-            budget = self.backend.kv_cache_memory_bytes(model_bytes, activation_bytes or 0)
             num_blocks = budget // (bytes_per_token * block_size)
             check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -177,33 +170,6 @@ class EngineCore:
         # engine core does after start-up).
         gc.collect()
         gc.freeze()
-
-    @torch.inference_mode()
-    def _profile_forward(self, attention, num_tokens: int, block_size: int, max_num_seqs: int) -> None:
-        """One forward pass over ``num_tokens`` dummy tokens (one sequence: prefill
-        attention's peak), with logits for ``max_num_seqs`` rows, into a throwaway cache."""
-        spec = self.model.kv_cache_spec
-        num_blocks = -(-num_tokens // block_size)
-        caches = [
-            torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=self.kv_dtype,
-                        device=self.backend.device)
-            for _ in range(spec.num_layers)
-        ]
-        device = self.backend.device
-        batch = AttentionBatch.from_slices([SequenceSlice(num_tokens, 0, list(range(num_blocks)))], block_size, device)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=device), caches, attention.prepare(batch))
-        self.model.compute_logits(hidden[-min(max_num_seqs, num_tokens):])
-        self.backend.synchronize()
-
-    def _kv_cache_spec_before_loading(self, attention, architectures) -> KVCacheSpec:
-        """The model's KV shape from its config alone: the model built on the meta device."""
-        cls = get_model_class(self.hf_config, architectures)
-        model = cls(
-            self.hf_config, attention, self.backend.compute_dtype(self.dtype),
-            dtype=self.backend.weight_dtype(self.dtype), device="meta",
-        )
-        return model.kv_cache_spec
 
     # -- facts ------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -369,3 +335,107 @@ class EngineCore:
             finish_reason=request.finish_reason,
             num_output_tokens=request.num_output_tokens,
         )
+
+
+def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        core = EngineCore(config)
+    except Exception as exc:
+        try:  # the exception itself when it round-trips (the CLI turns some into messages)
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            exc = (ValueError if isinstance(exc, ValueError) else RuntimeError)(f"{type(exc).__name__}: {exc}")
+        conn.send(("failed", exc))
+        return
+    conn.send(("ready", core.model_info()))
+    while True:
+        # Block for a command when idle; between steps take whatever has arrived.
+        while not core.has_unfinished_requests() or conn.poll(0):
+            if not core.has_unfinished_requests() and not conn.poll(0):
+                conn.send(("stats", core.stats()))  # idle now: the counts after the last aborts
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone
+            kind = message[0]
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                try:
+                    core.add_request(message[1])
+                except ValueError as exc:
+                    conn.send(("add_failed", message[1].request_id, str(exc)))
+            elif kind == "abort":
+                core.abort_requests(message[1], message[2])
+        try:
+            outputs = core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the requests in flight")
+            ids = list(core.scheduler.requests)
+            core.abort_all()
+            conn.send(("step_failed", repr(exc), ids))
+            continue
+        conn.send(("outputs", outputs))
+
+
+class EngineCoreProcess:
+    """The parent's handle on the engine-core process."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        # the event loop (new requests, aborts) and the reader thread (stop strings)
+        # both send: one message at a time on the pipe
+        self._send_lock = threading.Lock()
+        level = logging.getLogger().getEffectiveLevel()
+        self.process = ctx.Process(
+            target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        if not self.conn.poll(startup_timeout):
+            self.close()
+            raise RuntimeError(f"the engine-core process did not start within {startup_timeout:.0f} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine-core process exited at start (exit code {self.process.exitcode})") from None
+        if message[0] == "failed":
+            self.process.join(5)
+            raise message[1]
+        self.model_info: ModelInfo = message[1]
+        logger.info("engine core runs in process %d", self.process.pid)
+
+    def add(self, request) -> None:
+        with self._send_lock:
+            self.conn.send(("add", request))
+
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        with self._send_lock:
+            self.conn.send(("abort", list(request_ids), status))
+
+    def recv(self, timeout: float) -> tuple | None:
+        """The next message from the core, or None after ``timeout`` seconds.
+        EOFError when the core is gone."""
+        if not self.conn.poll(timeout):
+            return None
+        return self.conn.recv()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()

@@ -1,9 +1,21 @@
-"""How long a request may be and whether the KV cache holds one: the model's context
-(`resolve_max_model_len`) against the pool the budget buys (`check_kv_cache`)."""
+"""How long a request may be and how large the KV cache is: the model's context
+(`resolve_max_model_len`), the budget a profiling forward pass leaves
+(`profile_kv_budget`, vLLM's approach) and whether the pool holds a request
+(`check_kv_cache`)."""
 
 from __future__ import annotations
 
+import logging
+import time
+
+import torch
+
+from ember.backend import AttentionBatch, SequenceSlice
 from ember.config import EngineConfig
+from ember.model_loader import get_model_class
+from ember.models.base import KVCacheSpec
+
+logger = logging.getLogger("ember.engine_core")  # start-up figures, logged as the engine core's
 
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
@@ -62,3 +74,43 @@ def check_kv_cache(
     num_tokens = num_blocks * config.block_size
     if config.require_kv_for_max_model_len and num_tokens < max_model_len:
         raise KVCacheTooSmallError(num_tokens, max_model_len, config.block_size, bytes_per_token, budget_bytes)
+
+
+def profile_kv_budget(model, backend, attention, kv_dtype, num_tokens: int, block_size: int, max_num_seqs: int) -> int:
+    """Bytes the backend gives the KV cache: its share of the memory left after the
+    weights and the peak of one profiling forward pass at the largest step."""
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    started = time.perf_counter()
+    activation_bytes = backend.peak_memory_of(
+        lambda: _profile_forward(model, backend, attention, kv_dtype, num_tokens, block_size, max_num_seqs)
+    )
+    logger.info(
+        "profiling forward pass of %d tokens: peak %s in %.2f s", num_tokens,
+        "unknown" if activation_bytes is None else f"{activation_bytes / 2**20:.1f} MiB",
+        time.perf_counter() - started,
+    )
+    return backend.kv_cache_memory_bytes(model_bytes, activation_bytes or 0)
+
+
+@torch.inference_mode()
+def _profile_forward(model, backend, attention, kv_dtype, num_tokens: int, block_size: int, max_num_seqs: int) -> None:
+    """One forward pass over ``num_tokens`` dummy tokens (one sequence: prefill
+    attention's peak), with logits for ``max_num_seqs`` rows, into a throwaway cache."""
+    spec, device = model.kv_cache_spec, backend.device
+    num_blocks = -(-num_tokens // block_size)
+    caches = [
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device)
+        for _ in range(spec.num_layers)
+    ]
+    batch = AttentionBatch.from_slices([SequenceSlice(num_tokens, 0, list(range(num_blocks)))], block_size, device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), caches, attention.prepare(batch))
+    model.compute_logits(hidden[-min(max_num_seqs, num_tokens):])
+    backend.synchronize()
+
+
+def kv_cache_spec_from_config(hf_config, backend, dtype, attention, architectures) -> KVCacheSpec:
+    """The model's KV shape from its config alone: the model built on the meta device."""
+    cls = get_model_class(hf_config, architectures)
+    model = cls(hf_config, attention, backend.compute_dtype(dtype), dtype=backend.weight_dtype(dtype), device="meta")
+    return model.kv_cache_spec
