@@ -195,7 +195,8 @@ class BaseBackend(ABC):
         """A fused greedy step, ``op(logits) -> (ids, logprobs)`` for float32 logits
         ``(rows, vocab)`` on the host: each row's first argmax (int64) and its
         log-softmax (float32), as ``argmax`` and ``logit - logsumexp`` give them.
-        None (the default) leaves it to PyTorch."""
+        The op may reuse its output tensors on the next call (the sampler reads them
+        at once). None (the default) leaves it to PyTorch."""
         return None
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:

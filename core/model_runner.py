@@ -76,6 +76,14 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.requests: dict[str, RunnerRequest] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # A decode step's integers (ids, positions, slots, lengths, offsets) are written
+        # into one host array with a single assignment; the tensors are views of it,
+        # made once per batch size: no tensor is created on the way to the model.
+        self._step = np.zeros(5 * max_num_reqs + 1, dtype=np.int64)
+        self._step_tensor = torch.from_numpy(self._step)
+        self._step_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._table_tensor = torch.from_numpy(self.block_table)
+        self._table_views: dict[tuple[int, int], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -161,16 +169,26 @@ class InputBatch:
         tokens of ``requests[i]`` from its computed count.
 
         Right after a forward pass every small operation runs cold (tens of
-        microseconds each), so the step's integers are built as one list and sent as
-        one tensor; only the block-table rows come from the host array."""
+        microseconds each), so the step's integers are built as one list and written
+        into one array (a decode step's tensors are views of it, valid until the next
+        step); only the block-table rows come from the host array."""
         bs, n, device = self.block_size, len(requests), self.device
         starts = [r.num_computed_tokens for r in requests]
-        rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=n)
         width = max(max(r.num_blocks for r in requests), 1)
-        tables = torch.from_numpy(self.block_table[rows, :width])
+        rows = None
+        if n == 1:  # one row of the table: a view of the host array, made once per (row, width)
+            key = (requests[0].row, width)
+            tables = self._table_views.get(key)
+            if tables is None:
+                if len(self._table_views) > 4096:
+                    self._table_views.clear()
+                tables = self._table_views[key] = self._table_tensor[key[0] : key[0] + 1, :width]
+        else:
+            rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=n)
+            tables = torch.from_numpy(self.block_table[rows, :width])
         if len(query_lens) == sum(query_lens):
             # decodes only: each row's one token is its last, at position num_computed
-            flat = [0] * (6 * n + 1)
+            flat = [0] * (5 * n + 1)
             for i, r in enumerate(requests):
                 p = starts[i]
                 flat[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
@@ -179,23 +197,34 @@ class InputBatch:
                 flat[3 * n + i] = p + 1
                 flat[4 * n + i] = i
             flat[5 * n] = n
-            step = torch.tensor(flat[: 5 * n + 1], dtype=torch.int64)
-            input_ids, positions, rest = step.split([n, n, 3 * n + 1])
-        else:
-            for r in requests:
-                self._write_tokens(r)
-            lens = np.asarray(query_lens, dtype=np.int64)
-            np_starts = np.asarray(starts, dtype=np.int64)
-            flat_rows = np.repeat(rows, lens)
-            cum = np.cumsum(lens)
-            first = cum - lens  # flat index of each request's first token
-            np_positions = np.repeat(np_starts, lens) + np.arange(int(cum[-1])) - np.repeat(first, lens)
-            slots = self.block_table[flat_rows, np_positions // bs] * bs + np_positions % bs
-            step = torch.from_numpy(np.concatenate([
-                self.token_ids[flat_rows, np_positions], np_positions, slots, np_starts + lens, first, cum[-1:],
-            ]))
-            num_tokens = int(cum[-1])
-            input_ids, positions, rest = step.split([num_tokens, num_tokens, len(slots) + 2 * n + 1])
+            self._step[: 5 * n + 1] = flat
+            views = self._step_views.get(n)
+            if views is None:
+                views = self._step_views[n] = self._step_tensor[: 5 * n + 1].split([n, n, n, n, n + 1])
+            input_ids, positions, slots, seq_lens, query_start_loc = views
+            if device.type != "cpu":
+                slots, seq_lens, query_start_loc, tables = (
+                    slots.to(device), seq_lens.to(device), query_start_loc.to(device), tables.to(device),
+                )
+            return input_ids, positions, AttentionBatch(
+                query_lens, starts, tables, slots, bs, seq_lens, query_start_loc,
+            )
+        if rows is None:
+            rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=n)
+        for r in requests:
+            self._write_tokens(r)
+        lens = np.asarray(query_lens, dtype=np.int64)
+        np_starts = np.asarray(starts, dtype=np.int64)
+        flat_rows = np.repeat(rows, lens)
+        cum = np.cumsum(lens)
+        first = cum - lens  # flat index of each request's first token
+        np_positions = np.repeat(np_starts, lens) + np.arange(int(cum[-1])) - np.repeat(first, lens)
+        slots = self.block_table[flat_rows, np_positions // bs] * bs + np_positions % bs
+        step = torch.from_numpy(np.concatenate([
+            self.token_ids[flat_rows, np_positions], np_positions, slots, np_starts + lens, first, cum[-1:],
+        ]))
+        num_tokens = int(cum[-1])
+        input_ids, positions, rest = step.split([num_tokens, num_tokens, len(slots) + 2 * n + 1])
         if device.type != "cpu":
             rest, tables = rest.to(device), tables.to(device)
         slots, seq_lens, query_start_loc = rest.split([len(rest) - 2 * n - 1, n, n + 1])

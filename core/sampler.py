@@ -98,12 +98,13 @@ class Sampler:
 
     def _is_plain_greedy(self, rows: list[SamplingRow]) -> bool:
         """Greedy rows that no adjustment or processor touches."""
+        named = False
         for row in rows:
             p = row.params
-            if not p.is_greedy or p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
-                    or p.presence_penalty != 0.0 or p.bad_words_token_ids or len(row.output_token_ids) < p.min_tokens:
+            if not p.is_unadjusted_greedy or len(row.output_token_ids) < p.min_tokens:
                 return False
-        return not any(row.params.uses_plugin_processors for row in rows) or not self.pipeline.uses_any(rows)
+            named = named or p.uses_plugin_processors
+        return not named or not self.pipeline.uses_any(rows)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-7 of the module docstring on float32 ``logits`` (changed in place);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from ember.logprobs import MAX_LOGPROBS
@@ -183,7 +184,7 @@ class SamplingParams:
         loaded processor that declares it (`LogitsPipeline.validate`)."""
         return tuple(name for name in PLUGIN_FIELDS if getattr(self, name) != _PLUGIN_FIELD_DEFAULTS[name])
 
-    @property
+    @cached_property  # frozen: computed once (the sampler asks every step)
     def uses_plugin_processors(self) -> bool:
         """Whether the request names any plugin processor (an `extra` key or a
         PLUGIN_FIELDS field set): only then does it go through the pipeline."""
@@ -197,6 +198,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @cached_property  # frozen: computed once (the sampler asks every step)
+    def is_unadjusted_greedy(self) -> bool:
+        """Greedy with none of core's logit adjustments (bias, penalties, bad words);
+        ``min_tokens`` and plugin processors are the sampler's to check per step."""
+        return self.is_greedy and not self.logit_bias and self.repetition_penalty == 1.0 \
+            and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0 and not self.bad_words_token_ids
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

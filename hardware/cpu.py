@@ -43,7 +43,8 @@ class PrefillGroup:
 @dataclass
 class CPUAttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64
-    decode_token_index: torch.Tensor | None  # (num_decodes,) rows of the flat batch
+    # (num_decodes,) rows of the flat batch; None when there is no decode or every row is one (all_decode)
+    decode_token_index: torch.Tensor | None
     decode_block_ids: torch.Tensor | None  # (num_decodes * max_blocks,) int64, tables padded with 0
     decode_lens: torch.Tensor | None  # (num_decodes,) int64 context lengths
     prefills: list[PrefillGroup]
@@ -86,15 +87,15 @@ class CPUAttention(BaseAttention):
         decode_index = decode_bt = lens = None
         if decode_rows:
             max_blocks = -(-max(batch.start_positions[i] + 1 for i in decode_requests) // block_size)
-            if len(decode_rows) == batch.num_requests:  # every request decodes: the batch's own tensors
-                lens, tables, decode_index = batch.seq_lens, batch.block_table, batch.query_start_loc[:-1]
+            if len(decode_rows) == row:  # every request decodes: the batch's own tensors
+                lens, tables = batch.seq_lens, batch.block_table  # decode_index None: row i is decode i
             else:
                 index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
                 lens, tables = batch.seq_lens[index], batch.block_table[index]
                 decode_index = batch.query_start_loc[index]
             if tables.shape[1] != max_blocks:
                 tables = tables[:, :max_blocks]
-            decode_bt = tables.reshape(-1)
+            decode_bt = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
         metadata = CPUAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             decode_token_index=decode_index,
@@ -128,7 +129,7 @@ class CPUAttention(BaseAttention):
                 mask = torch.ones(n_q, n_ctx, dtype=torch.bool).tril(diagonal=n_ctx - n_q)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
             out[group.token_start : group.token_end] = o.transpose(0, 1)
-        if metadata.decode_token_index is not None:
+        if metadata.decode_lens is not None:
             kernels = self.kernels
             if kernels is not None and kv_cache.dtype == q.dtype and kernels.attention_supports(
                 q.shape[1], num_kv_heads, head_dim, q.dtype
@@ -149,6 +150,9 @@ class CPUAttention(BaseAttention):
                 return out
             mask = metadata.mask()
             num_decodes, max_len = mask.shape[0], mask.shape[-1]
+            decode_rows = metadata.decode_token_index
+            if decode_rows is None:  # all_decode
+                decode_rows = torch.arange(num_decodes, device=q.device)
             max_blocks = max_len // block_size
             # Decodes go in groups whose gathered K and V stay in the CPU's cache:
             # gathering all of a 256-request batch at once (tens of MB a layer) and
@@ -165,7 +169,7 @@ class CPUAttention(BaseAttention):
                 vs = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)
                 # GQA without expanding K/V: the query heads sharing a KV head become that
                 # head's query rows, (n, kv_heads, heads_per_kv, D).
-                rows = metadata.decode_token_index[start:end]
+                rows = decode_rows[start:end]
                 qd = q[rows].view(n, num_kv_heads, -1, head_dim)
                 o = F.scaled_dot_product_attention(
                     qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),

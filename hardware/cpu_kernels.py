@@ -71,6 +71,9 @@ class NativeKernels:
         self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int]
         self._greedy.restype = None
+        # greedy's outputs, per number of rows: reused (a decode step then creates no
+        # tensor; each small allocation costs tens of microseconds right after a forward)
+        self._greedy_out: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
         self._rms_norm = lib.ember_rms_norm
         self._rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
         self._rms_norm.restype = None
@@ -175,14 +178,22 @@ class NativeKernels:
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of float32 ``logits`` (rows, vocab): the first index of the largest
-        value and its log-softmax. NaN never wins (torch.argmax would pick it)."""
+        value and its log-softmax. NaN never wins (torch.argmax would pick it). The
+        returned tensors are reused by the next call with as many rows: read or copy
+        them before calling again."""
         if logits.dtype != torch.float32 or logits.dim() != 2:
             raise ValueError(f"greedy takes float32 logits (rows, vocab), got {logits.dtype} {tuple(logits.shape)}")
-        logits = logits.contiguous()
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
         rows, vocab = logits.shape
-        ids = torch.empty(rows, dtype=torch.int64)
-        logprobs = torch.empty(rows, dtype=torch.float32)
-        self._greedy(logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+        out = self._greedy_out.get(rows)
+        if out is None:
+            if len(self._greedy_out) > 1024:
+                self._greedy_out.clear()
+            ids, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+            out = self._greedy_out[rows] = (ids, logprobs, ids.data_ptr(), logprobs.data_ptr())
+        ids, logprobs, ids_ptr, logprobs_ptr = out
+        self._greedy(logits.data_ptr(), rows, vocab, ids_ptr, logprobs_ptr, torch.get_num_threads())
         return ids, logprobs
 
 

@@ -87,8 +87,8 @@ class MutatesMetadata(CPUAttention):
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         out = super().forward(q, k, v, kv_cache, metadata, scale)
-        if metadata.decode_token_index is not None:
-            metadata.decode_token_index = None
+        if metadata.decode_lens is not None:
+            metadata.decode_token_index = metadata.decode_lens = None
             metadata.prefills = []
         return out
 
