@@ -334,6 +334,28 @@ def test_greedy_matches_argmax_and_log_softmax(kernels):
     assert lps[2] == 0.0
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 1003, 49152])
+def test_greedy_vectorized_argmax_edges(kernels, vocab):
+    """Widths around the kernel's 8- and 32-lane steps; NaN (never wins), ties (first
+    index), a row banned but for one token, a row of nothing but -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(6):
+        x = torch.randn(4, vocab, generator=gen) * 4
+        x[0, torch.randint(0, vocab, (max(1, vocab // 10),), generator=gen)] = math.nan
+        x[1, :] = -math.inf
+        x[1, vocab // 2] = 0.0
+        if vocab > 3:
+            x[2, 1] = x[2, vocab - 1] = x[2].max() + 1  # a tie: the first index wins
+        x[3, :] = -math.inf
+        ids, lps = kernels.greedy(x)
+        want = x.nan_to_num(nan=-math.inf).argmax(dim=-1)
+        want[3] = 0  # nothing above -inf: index 0, and no log-probability
+        assert ids.tolist() == want.tolist(), (vocab, trial)
+        for r in (1, 2):
+            assert lps[r].item() == pytest.approx(x[r].log_softmax(-1)[want[r]].item(), abs=1e-4)
+        assert math.isnan(lps[3].item())
+
+
 def test_sampler_takes_the_backends_greedy_op(kernels):
     from ember import SamplingParams
     from ember.sampler import Sampler, SamplingRow

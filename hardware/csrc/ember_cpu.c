@@ -206,15 +206,42 @@ void ember_paged_decode_attention(const float *q, const float *k_cache, const fl
 
 /* ember_greedy: per row of logits (rows, V): ids[r] = the first index of the row's
  * largest value (NaN never wins), logprobs[r] = its log-softmax, -log sum exp(x - max). */
+static int64_t argmax_row(const float *x, int64_t V, float *max_out) {
+    /* the maximum, 32 lanes at a time: MAXPS returns its second operand when either is
+     * NaN, so a NaN in x never replaces the running maximum */
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int64_t i = 0;
+    for (; i + 32 <= V; i += 32) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+        m2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), m2);
+        m3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), m3);
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    for (int k = 0; k < 8; ++k)
+        if (lanes[k] > m) m = lanes[k];
+    for (; i < V; ++i)
+        if (x[i] > m) m = x[i];
+    *max_out = m;
+    if (m == -INFINITY) return 0; /* nothing above -inf (all banned, or NaN) */
+    /* its first index */
+    const __m256 mv = _mm256_set1_ps(m);
+    for (i = 0; i + 8 <= V; i += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+        if (mask) return i + __builtin_ctz((unsigned)mask);
+    }
+    for (; i < V; ++i)
+        if (x[i] == m) return i;
+    return 0;
+}
+
 void ember_greedy(const float *logits, int64_t rows, int64_t V, int64_t *ids, float *logprobs, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const float *x = logits + r * V;
-        float m = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t i = 0; i < V; ++i)
-            if (x[i] > m) { m = x[i]; arg = i; }
-        ids[r] = arg;
+        float m;
+        ids[r] = argmax_row(x, V, &m);
         logprobs[r] = m == -INFINITY ? NAN : -logf(sum_exp((float *)x, V, m, 0));
     }
 }
