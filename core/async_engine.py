@@ -20,11 +20,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from ember.config import EngineConfig
 from ember.engine import LLMEngine
 from ember.engine_client import EngineClient, EngineDeadError, EngineStats, ModelInfo, RequestAbortedError
 from ember.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
-from ember.input_processor import InputProcessor
+from ember.input_processor import InputProcessor, apply_chat_template
 from ember.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsProcessorContext
 from ember.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
@@ -33,7 +35,6 @@ from ember.scheduler import RequestStatus
 from ember.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.step import StepStats
-from ember.input_processor import apply_chat_template
 from ember.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -314,6 +315,10 @@ class AsyncLLMEngine(EngineClient):
 
     # -- the engine thread: the core in this process -------------------------------------
     def _run_thread(self) -> None:
+        with torch.inference_mode():  # for good in the engine's thread (the runner then only checks)
+            self._run_steps()
+
+    def _run_steps(self) -> None:
         core = self._core
         try:
             while not self._stop.is_set():

@@ -350,6 +350,11 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         conn.send(("failed", exc))
         return
     conn.send(("ready", core.model_info()))
+    with torch.inference_mode():  # for good in this process: no tensor here needs autograd
+        _serve(core, conn)
+
+
+def _serve(core: EngineCore, conn: Connection) -> None:
     while True:
         # Block for a command when idle; between steps take whatever has arrived.
         while not core.has_unfinished_requests() or conn.poll(0):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from ember.config import EngineConfig
 from ember.engine import LLMEngine
 from ember.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -146,13 +148,14 @@ class LLM:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         try:
-            while pending:
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
-                        pending.discard(out.request_id)
+            with torch.inference_mode():  # held through the loop: each step then only checks
+                while pending:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in pending:
+                            finished[out.request_id] = out
+                            pending.discard(out.request_id)
         except BaseException:
             for request_id in pending:
                 self.engine.abort_request(request_id)

@@ -267,6 +267,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, backend.device)
         self.logits_pipeline = logits_pipeline or LogitsPipeline([])
         self.sampler = Sampler(vocab_size, seed, greedy_op=backend.greedy_op(), pipeline=self.logits_pipeline)
+        self._inference_mode = torch.inference_mode()  # not re-entered: execute checks first
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch
@@ -280,8 +281,17 @@ class ModelRunner:
         for cached in scheduler_output.cached_requests:
             batch.update(cached)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step in inference mode: the engine's own loops (its thread, its
+        process, `LLM.generate`) hold it throughout, so a check suffices; a caller's
+        thread enters it for the step, through one reused context (entering a fresh
+        `torch.inference_mode()` per step costs tens of microseconds after a forward)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(scheduler_output)
+        with self._inference_mode:
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_batch(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
