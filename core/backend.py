@@ -35,7 +35,7 @@ class SequenceSlice:
         return self.start_position + self.num_query_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AttentionBatch:
     """One step's flat batch as attention sees it, built by the model runner from its
     persistent batch without touching each request's history.

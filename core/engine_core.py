@@ -63,7 +63,7 @@ class EngineCoreRequest:
     priority: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineCoreOutputs:
     """One step: what is new per changed request, the step's figures and the counts after it."""
 

@@ -42,7 +42,7 @@ ORDER_TEMPERATURE = 200
 ORDER_TRUNCATE = 300
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SamplingRow:
     """One request that samples this step, as processors and the sampler see it.
 

@@ -87,7 +87,7 @@ class IncrementalDetokenizer:
         return piece
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step did to one request: only what is new (a plain value)."""
 

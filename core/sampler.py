@@ -38,7 +38,7 @@ GreedyOp = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 RowOp = Callable[[torch.Tensor, list[SamplingRow]], torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SamplerOutput:
     """One token per row; ``processed`` is the ``(rows, vocab)`` float32 logits it was
     drawn from (for greedy rows: after the adjustments only), for top-logprobs."""

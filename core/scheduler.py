@@ -122,7 +122,7 @@ class Request:
 __all__ = ["ModelRunnerOutput", "RequestUpdate", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledItem:
     """Engine-side record of one request's share of a step (for stats; never sent to the runner)."""
 
@@ -132,7 +132,7 @@ class ScheduledItem:
     is_prefill: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestUpdate:
     request: Request
     new_token_ids: list[int]

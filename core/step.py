@@ -3,7 +3,10 @@
 Both directions are plain values (ints, strings, lists, frozen `SamplingParams` and
 CPU tensors), never live engine objects, so a runner can live in another process
 (tensor parallelism, a separate engine process): `pickle` round-trips them
-(tests/test_step_contract.py checks that no engine object travels).
+(tests/test_step_contract.py checks that no engine object travels). The per-step
+values are slotted dataclasses, not frozen ones (a frozen dataclass's ``__init__``
+sets each field through ``object.__setattr__``, several times slower on the step's
+path): treat them as read-only once built.
 
 A request is described in full once, when it joins the runner's batch
 (:class:`NewRequest`); afterwards each step carries only deltas
@@ -63,7 +66,7 @@ class NewRequest:
     num_computed_tokens: int  # already in the KV cache (a prefix-cache hit)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CachedRequest:
     """A request already in the runner's batch: what changed since its last step."""
 
@@ -72,7 +75,7 @@ class CachedRequest:
     num_computed_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step. ``num_scheduled_tokens`` lists every scheduled request in batch
     order (the order of the runner's flat batch and of its output)."""
@@ -96,7 +99,7 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Per scheduled request, in ``SchedulerOutput.num_scheduled_tokens`` order."""
 
@@ -135,7 +138,7 @@ class RequestMetrics:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepStats:
     """One engine step: how long schedule + forward + sample took, and what it computed."""
 

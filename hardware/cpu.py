@@ -45,7 +45,7 @@ class CPUAttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64
     # (num_decodes,) rows of the flat batch; None when there is no decode or every row is one (all_decode)
     decode_token_index: torch.Tensor | None
-    decode_block_ids: torch.Tensor | None  # (num_decodes * max_blocks,) int64, tables padded with 0
+    decode_tables: torch.Tensor | None  # (num_decodes, max_blocks) int64, rows padded with valid ids
     decode_lens: torch.Tensor | None  # (num_decodes,) int64 context lengths
     prefills: list[PrefillGroup]
     block_size: int
@@ -56,7 +56,7 @@ class CPUAttentionMetadata:
 
     def mask(self) -> torch.Tensor:
         if self.decode_mask is None:
-            max_len = self.decode_block_ids.numel() // self.decode_lens.numel() * self.block_size
+            max_len = self.decode_tables.shape[1] * self.block_size
             lens = self.decode_lens
             self.decode_mask = (torch.arange(max_len, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
         return self.decode_mask
@@ -84,7 +84,7 @@ class CPUAttention(BaseAttention):
                 context = batch.context_slots(i) if start > 0 else None
                 prefills.append(PrefillGroup(row, row + num_query, start, context))
             row += num_query
-        decode_index = decode_bt = lens = None
+        decode_index = tables = lens = None
         if decode_rows:
             max_blocks = -(-max(batch.start_positions[i] + 1 for i in decode_requests) // block_size)
             if len(decode_rows) == row:  # every request decodes: the batch's own tensors
@@ -95,11 +95,12 @@ class CPUAttention(BaseAttention):
                 decode_index = batch.query_start_loc[index]
             if tables.shape[1] != max_blocks:
                 tables = tables[:, :max_blocks]
-            decode_bt = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
+            if not tables.is_contiguous():  # the kernel reads rows of max_blocks ids
+                tables = tables.contiguous()
         metadata = CPUAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             decode_token_index=decode_index,
-            decode_block_ids=decode_bt,
+            decode_tables=tables,
             decode_lens=lens,
             prefills=prefills,
             block_size=block_size,
@@ -135,7 +136,7 @@ class CPUAttention(BaseAttention):
                 q.shape[1], num_kv_heads, head_dim, q.dtype
             ):
                 num_decodes = metadata.decode_lens.shape[0]
-                tables = metadata.decode_block_ids.view(num_decodes, -1)
+                tables = metadata.decode_tables
                 if not metadata.tables_checked:
                     kernels.check_tables(tables, metadata.decode_lens, num_blocks, block_size)
                     metadata.tables_checked = True
@@ -162,7 +163,7 @@ class CPUAttention(BaseAttention):
             for start in range(0, num_decodes, group):
                 end = min(start + group, num_decodes)
                 n = end - start
-                block_ids = metadata.decode_block_ids[start * max_blocks : end * max_blocks]
+                block_ids = metadata.decode_tables[start:end].reshape(-1)
                 # index_select of whole blocks (2x faster than advanced indexing here),
                 # then (n, max_blocks * block_size, kv_heads, D) -> (n, kv_heads, L, D) as a view.
                 ks = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)

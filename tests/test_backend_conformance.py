@@ -53,7 +53,7 @@ class DecodeSeesWholeTable(CPUAttention):
         metadata = super().prepare(batch)
         block_size = batch.block_size
         if metadata.decode_lens is not None:
-            whole = metadata.decode_block_ids.numel() // metadata.decode_lens.numel() * block_size
+            whole = metadata.decode_tables.shape[1] * block_size
             metadata.decode_lens = torch.full_like(metadata.decode_lens, whole)
             metadata.decode_mask = None
         return metadata
