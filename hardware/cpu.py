@@ -31,7 +31,7 @@ DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20)
 SMALL_BATCH_ROWS = int(os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS", 4))
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillGroup:
     token_start: int
     token_end: int
@@ -40,7 +40,7 @@ class PrefillGroup:
     context_slots: torch.Tensor | None
 
 
-@dataclass
+@dataclass(slots=True)
 class CPUAttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64
     # (num_decodes,) rows of the flat batch; None when there is no decode or every row is one (all_decode)
@@ -62,6 +62,15 @@ class CPUAttentionMetadata:
         return self.decode_mask
 
 
+def _decode_tables(tables: torch.Tensor, max_start: int, block_size: int) -> torch.Tensor:
+    """The decodes' block-table rows, cut to the blocks the longest context uses (the
+    kernel reads rows of that many ids, contiguous)."""
+    max_blocks = -(-(max_start + 1) // block_size)
+    if tables.shape[1] != max_blocks:
+        tables = tables[:, :max_blocks]
+    return tables if tables.is_contiguous() else tables.contiguous()
+
+
 class CPUAttention(BaseAttention):
     """``kernels``: the native kernels (ember.hardware.cpu_kernels), or None for
     PyTorch only. With them, float32 decode attention reads the paged cache in place
@@ -71,7 +80,13 @@ class CPUAttention(BaseAttention):
         self.kernels = kernels
 
     def prepare(self, batch: AttentionBatch) -> CPUAttentionMetadata:
-        device, block_size = batch.device, batch.block_size
+        block_size, n = batch.block_size, len(batch.query_lens)
+        if n and sum(batch.query_lens) == n and min(batch.start_positions) > 0:  # decodes only: the common step
+            tables = _decode_tables(batch.block_table, max(batch.start_positions), block_size)
+            metadata = CPUAttentionMetadata(batch.slot_mapping, None, tables, batch.seq_lens, [], block_size, True)
+            if self.kernels is None:
+                metadata.mask()
+            return metadata
         decode_rows: list[int] = []  # flat rows of the decodes
         decode_requests: list[int] = []  # their request indices
         prefills: list[PrefillGroup] = []
@@ -84,30 +99,15 @@ class CPUAttention(BaseAttention):
                 context = batch.context_slots(i) if start > 0 else None
                 prefills.append(PrefillGroup(row, row + num_query, start, context))
             row += num_query
-        decode_index = tables = lens = None
-        if decode_rows:
-            max_blocks = -(-max(batch.start_positions[i] + 1 for i in decode_requests) // block_size)
-            if len(decode_rows) == row:  # every request decodes: the batch's own tensors
-                lens, tables = batch.seq_lens, batch.block_table  # decode_index None: row i is decode i
-            else:
-                index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
-                lens, tables = batch.seq_lens[index], batch.block_table[index]
-                decode_index = batch.query_start_loc[index]
-            if tables.shape[1] != max_blocks:
-                tables = tables[:, :max_blocks]
-            if not tables.is_contiguous():  # the kernel reads rows of max_blocks ids
-                tables = tables.contiguous()
-        metadata = CPUAttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            decode_token_index=decode_index,
-            decode_tables=tables,
-            decode_lens=lens,
-            prefills=prefills,
-            block_size=block_size,
-            all_decode=not prefills and len(decode_rows) == row,
-        )
-        if self.kernels is None and decode_rows:
-            metadata.mask()
+        metadata = CPUAttentionMetadata(batch.slot_mapping, None, None, None, prefills, block_size)
+        if decode_rows:  # with prefills beside them
+            index = torch.tensor(decode_requests, dtype=torch.int64, device=batch.device)
+            metadata.decode_lens, metadata.decode_token_index = batch.seq_lens[index], batch.query_start_loc[index]
+            metadata.decode_tables = _decode_tables(
+                batch.block_table[index], max(batch.start_positions[i] for i in decode_requests), block_size
+            )
+            if self.kernels is None:
+                metadata.mask()
         return metadata
 
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
@@ -154,7 +154,6 @@ class CPUAttention(BaseAttention):
             decode_rows = metadata.decode_token_index
             if decode_rows is None:  # all_decode
                 decode_rows = torch.arange(num_decodes, device=q.device)
-            max_blocks = max_len // block_size
             # Decodes go in groups whose gathered K and V stay in the CPU's cache:
             # gathering all of a 256-request batch at once (tens of MB a layer) and
             # reading it back from memory made this 10x slower than at 128 requests.
