@@ -348,7 +348,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         token_ids: list[int] = []
         logprobs: list[float] = []
-        top: list[PositionLogprobs | None] = []
+        top: list[PositionLogprobs | None] | None = None  # None: no request of the step asks
         if sample_rows:
             if len(sample_rows) == num_flat:  # every row samples (decodes): no gather
                 logits = self.model.compute_logits(hidden)
@@ -360,17 +360,16 @@ class ModelRunner:
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
             if any(row.params.logprobs is not None for row in rows):
                 top = self._top_logprobs(sampled.processed, rows, token_ids)
-            else:
-                top = [None] * len(rows)
         out_ids: list[list[int]] = []
         out_lps: list[list[float]] = []
-        out_top: list[list[PositionLogprobs]] = []
+        out_top: list[list[PositionLogprobs]] | None = None if top is None else []
         num_accepted: list[int] = []
         for request, (first, num_positions) in zip(requests, sample_spans):
             if not num_positions:
                 out_ids.append([])
                 out_lps.append([])
-                out_top.append([])
+                if out_top is not None:
+                    out_top.append([])
                 num_accepted.append(0)
                 continue
             ids = token_ids[first : first + num_positions]
@@ -387,11 +386,14 @@ class ModelRunner:
             batch.append(request, ids[:emit])
             out_ids.append(ids[:emit])
             out_lps.append(logprobs[first : first + emit])
-            out_top.append([t for t in top[first : first + emit] if t is not None] if top[first] is not None else [])
+            if out_top is not None:
+                out_top.append([t for t in top[first : first + emit] if t is not None] if top[first] is not None else [])
             num_accepted.append(accepted)
-        prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in requests]
-        for index, first_row, num_rows in prompt_spans:
-            prompt_logprobs[index] = self._prompt_logprobs(hidden, requests[index], first_row, num_rows)
+        prompt_logprobs: list[list[PositionLogprobs]] | None = None  # None: no request asks
+        if prompt_spans:
+            prompt_logprobs = [[] for _ in requests]
+            for index, first_row, num_rows in prompt_spans:
+                prompt_logprobs[index] = self._prompt_logprobs(hidden, requests[index], first_row, num_rows)
         return ModelRunnerOutput(
             request_ids=[r.request_id for r in requests],
             sampled_token_ids=out_ids,

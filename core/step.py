@@ -108,9 +108,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # log-probability of each sampled token (same shape); empty lists when unknown
     sampled_logprobs: list[list[float]] | None = None
-    # Only for requests whose params ask (empty lists otherwise): each sampled token's
-    # rank and alternatives (same shape as sampled_token_ids), and the prompt
-    # positions this step computed (the logprob of prompt token p + 1 at row p).
+    # Only for requests whose params ask (empty lists for the others; None when no
+    # request of the step asks): each sampled token's rank and alternatives (same
+    # shape as sampled_token_ids), and the prompt positions this step computed (the
+    # logprob of prompt token p + 1 at row p).
     sampled_top_logprobs: list[list[PositionLogprobs]] | None = None
     prompt_logprobs: list[list[PositionLogprobs]] | None = None
     # how many of the request's draft tokens were accepted (0 without drafts)
