@@ -80,6 +80,7 @@ class InputBatch:
         # into one host array with a single assignment; the tensors are views of it,
         # made once per batch size: no tensor is created on the way to the model.
         self._step = np.zeros(5 * max_num_reqs + 1, dtype=np.int64)
+        self._step_ints = memoryview(self._step)  # plain item assignment, no NumPy call
         self._step_tensor = torch.from_numpy(self._step)
         self._step_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._table_tensor = torch.from_numpy(self.block_table)
@@ -169,9 +170,9 @@ class InputBatch:
         tokens of ``requests[i]`` from its computed count.
 
         Right after a forward pass every small operation runs cold (tens of
-        microseconds each), so the step's integers are built as one list and written
-        into one array (a decode step's tensors are views of it, valid until the next
-        step); only the block-table rows come from the host array."""
+        microseconds each), so a decode step's integers are written item by item into
+        one host array whose views are its tensors (valid until the next step); a
+        mixed step's are built with a few NumPy operations and sent as one tensor."""
         bs, n, device = self.block_size, len(requests), self.device
         starts = [r.num_computed_tokens for r in requests]
         width = max(max(r.num_blocks for r in requests), 1)
@@ -188,16 +189,15 @@ class InputBatch:
             tables = torch.from_numpy(self.block_table[rows, :width])
         if len(query_lens) == sum(query_lens):
             # decodes only: each row's one token is its last, at position num_computed
-            flat = [0] * (5 * n + 1)
+            ints = self._step_ints
             for i, r in enumerate(requests):
                 p = starts[i]
-                flat[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
-                flat[n + i] = p
-                flat[2 * n + i] = r.block_ids[p // bs] * bs + p % bs
-                flat[3 * n + i] = p + 1
-                flat[4 * n + i] = i
-            flat[5 * n] = n
-            self._step[: 5 * n + 1] = flat
+                ints[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                ints[n + i] = p
+                ints[2 * n + i] = r.block_ids[p // bs] * bs + p % bs
+                ints[3 * n + i] = p + 1
+                ints[4 * n + i] = i
+            ints[5 * n] = n
             views = self._step_views.get(n)
             if views is None:
                 views = self._step_views[n] = self._step_tensor[: 5 * n + 1].split([n, n, n, n, n + 1])

@@ -88,12 +88,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """``logits``: ``(len(rows), vocab)``, owned by the sampler from now on (changed
         in place). Several rows may share a request id (speculative decoding)."""
-        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         if self.greedy_op is not None and logits.dtype == torch.float32 and self._is_plain_greedy(rows):
             # the common decode batch: nothing to process, and the backend's fused
             # argmax never picks NaN, so there is nothing to repair either
             ids, lps = self.greedy_op(logits)
             return SamplerOutput(ids.tolist(), lps.tolist(), logits)
+        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         return self.draw(self.process(logits.float(), rows), rows)
 
     def _is_plain_greedy(self, rows: list[SamplingRow]) -> bool:
