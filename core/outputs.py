@@ -17,7 +17,7 @@ class OutputKind(enum.Enum):
     DELTA = "delta"
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence. `text` is the concatenation of every streamed delta."""
 
@@ -40,7 +40,7 @@ class CompletionOutput:
         return float(sum(self.token_logprobs))
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step.
 
