@@ -284,7 +284,10 @@ class EngineCore:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
         outputs: list[EngineCoreOutput] = []
-        prompt_lps_of = dict(zip(runner_output.request_ids, runner_output.prompt_logprobs or []))
+        prompt_lps_of = (
+            dict(zip(runner_output.request_ids, runner_output.prompt_logprobs))
+            if runner_output.prompt_logprobs else None
+        )
         for update in updates:
             request = update.request
             new_ids = update.new_token_ids
@@ -293,7 +296,7 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 request.request_id, new_ids, request.output_logprobs[len(request.output_logprobs) - n :] if n else [],
                 request.output_top_logprobs[len(request.output_top_logprobs) - n :] if asks_top else [],
-                self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)),
+                self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)) if prompt_lps_of else [],
                 request.finish_reason, request.stop_token_id, request.metrics.copy(),
             ))
             if request.is_finished:

@@ -193,7 +193,7 @@ class NativeKernels:
             ids, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
             out = self._greedy_out[rows] = (ids, logprobs, ids.data_ptr(), logprobs.data_ptr())
         ids, logprobs, ids_ptr, logprobs_ptr = out
-        self._greedy(logits.data_ptr(), rows, vocab, ids_ptr, logprobs_ptr, torch.get_num_threads())
+        self._greedy(logits.data_ptr(), rows, vocab, ids_ptr, logprobs_ptr, torch.get_num_threads() if rows > 1 else 1)
         return ids, logprobs
 
 
@@ -203,7 +203,7 @@ class NativeKernels:
         """``ember.models.layers.RMSNorm`` in one pass: ``norm(x)``, or with
         ``residual`` ``(norm(x + residual), x + residual)``."""
         x = x.contiguous()
-        rows, hidden = x.shape[0] if x.dim() > 1 else 1, x.shape[-1]
+        hidden = x.shape[-1]
         out = torch.empty_like(x)
         total = None
         if residual is not None:
