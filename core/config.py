@@ -35,6 +35,12 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Split prompts longer than the step's remaining token budget across steps.
     enable_chunked_prefill: bool = True
+    # While requests decode, a prompt chunk's token at position s costs
+    # 1 + s / prefill_context_scale budget tokens (its attention grows with its
+    # context; the scale is the context at which attention costs as much as the
+    # linear layers), so a long prompt's late chunks shrink and a step's time stays
+    # bounded for the streams beside it. None: every token costs 1.
+    prefill_context_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,6 +51,8 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefill_context_scale is not None and not self.prefill_context_scale > 0:
+            raise ValueError(f"prefill_context_scale must be > 0 or None, got {self.prefill_context_scale}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunked prefill a prompt is prefilled in one step.
             raise ValueError(

@@ -37,7 +37,7 @@ from ember.engine_client import EngineStats, ModelInfo
 from ember.kv_cache_manager import KVCacheManager
 from ember.kv_sizing import check_kv_cache, kv_cache_spec_from_config, profile_kv_budget, resolve_max_model_len
 from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
-from ember.model_loader import load_hf_config, load_model, model_dtype
+from ember.model_loader import load_hf_config, load_model, model_dtype, prefill_context_scale
 from ember.model_runner import ModelRunner
 from ember.output_processor import EngineCoreOutput
 from ember.parallel_sampling import child_id, child_params
@@ -138,7 +138,10 @@ class EngineCore:
             check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill),
+            SchedulerConfig(
+                config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill,
+                prefill_context_scale(self.hf_config),
+            ),
             self.kv_manager,
         )
         # Processors are resolved once, here; per step the runner calls them directly.

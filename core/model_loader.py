@@ -50,6 +50,22 @@ def model_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
+def prefill_context_scale(hf_config: PretrainedConfig) -> float | None:
+    """The context length at which a token's attention costs as much as its pass
+    through the linear layers (SchedulerConfig.prefill_context_scale): per layer,
+    2 x (linear weights) FLOPs against 4 x heads x head_dim per context token. None
+    when the config does not say enough (a decoder of the Llama family does)."""
+    try:
+        hidden, inter = int(hf_config.hidden_size), int(hf_config.intermediate_size)
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    linear = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter
+    return linear / (2 * heads * head_dim) if linear > 0 and heads * head_dim > 0 else None
+
+
 def get_model_class(hf_config: PretrainedConfig, architectures: Registry) -> type[BaseCausalLM]:
     names = list(getattr(hf_config, "architectures", None) or [])
     for name in names:

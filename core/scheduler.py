@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig
@@ -230,11 +231,22 @@ class Scheduler:
         return scheduled.pop(request.request_id, 0)
 
     # -- the step ------------------------------------------------------------
-    def _chunk(self, num_new: int, budget: int) -> int:
-        """Tokens to compute this step: all, or (chunked prefill) what the budget allows."""
-        if num_new <= budget:
-            return num_new
-        return budget if self.config.enable_chunked_prefill else 0
+    def _chunk(self, num_new: int, budget: int, start: int = 0, weigh: bool = False) -> tuple[int, int]:
+        """Tokens to compute this step and the budget they take: all, or (chunked
+        prefill) what the budget allows. ``weigh`` (requests are decoding beside it):
+        a token at position p takes 1 + p / prefill_context_scale (SchedulerConfig)."""
+        scale = self.config.prefill_context_scale
+        if not weigh or scale is None or num_new <= 1:
+            if num_new <= budget:
+                return num_new, num_new
+            return (budget, budget) if self.config.enable_chunked_prefill else (0, 0)
+        # c tokens from `start` take about c * (1 + (start + c / 2) / scale)
+        a = 1 + start / scale
+        fits = int(((a * a + 2 * budget / scale) ** 0.5 - a) * scale)
+        num = min(num_new, fits)
+        if num < num_new and not self.config.enable_chunked_prefill:
+            return 0, 0
+        return num, min(budget, math.ceil(num * (a + num / (2 * scale))))
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """Draft tokens of a decoding request that fit this step: the budget, the
@@ -259,14 +271,18 @@ class Scheduler:
         # a long prompt never holds back the tokens of requests already generating.
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+        weigh = bool(decoding)  # streams are waiting for this step: long chunks shrink
         for request in decoding + prefilling:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_new, cost = self._chunk(
+                request.num_tokens - request.num_computed_tokens, budget, request.num_computed_tokens, weigh
+            )
             if num_new <= 0:
                 continue
             if num_new == 1:
                 num_new += self._num_drafts(request, budget)
+                cost = num_new
             else:
                 request.draft_token_ids = []
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
@@ -278,7 +294,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             scheduled[request.request_id] = num_new
-            budget -= num_new
+            budget -= cost
 
         # New (or preempted) requests join while nothing had to be preempted for
         # blocks this step: a pool that just ran short admits no one.
@@ -293,7 +309,7 @@ class Scheduler:
                 continue
             cached = self._cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            num_new = self._chunk(request.num_tokens - num_cached_tokens, budget)
+            num_new, cost = self._chunk(request.num_tokens - num_cached_tokens, budget, num_cached_tokens, weigh)
             if num_new <= 0:
                 break
             allocated = self.kv.allocate_slots(request.request_id, num_cached_tokens + num_new, cached_blocks=cached)
@@ -310,7 +326,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = num_new
-            budget -= num_new
+            budget -= cost
         return self._make_output(scheduled)
 
     def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:

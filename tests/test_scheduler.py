@@ -68,9 +68,9 @@ class Step(list):
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False,
-                   chunked_prefill=False):
+                   chunked_prefill=False, context_scale=None):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked_prefill), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked_prefill, context_scale), kv)
 
 
 def make_request(rid, prompt_len, max_tokens=4, **params):
@@ -253,6 +253,56 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.kv.num_free_blocks == 32
+
+
+def test_long_prompt_chunks_shrink_with_their_context_while_others_decode():
+    """With prefill_context_scale, a chunk's token at position p takes 1 + p / scale of
+    the step's budget while requests decode beside it; alone, a prompt takes the whole
+    budget per step as before."""
+    scale, budget = 64.0, 33
+
+    def chunks(with_stream: bool) -> list[tuple[int, int]]:
+        sched = make_scheduler(num_blocks=128, block_size=4, max_batched=budget, max_model_len=512,
+                               chunked_prefill=True, context_scale=scale)
+        if with_stream:
+            sched.add_request(make_request("stream", 3, max_tokens=200))
+            run_step(sched)
+        sched.add_request(make_request("long", 300, max_tokens=1))
+        seen = []
+        while "long" in sched.requests and not sched.requests["long"].output_token_ids:
+            items, _ = run_step(sched)
+            for s in items:
+                if s.request_id == "long":
+                    seen.append((s.start_position, s.num_tokens))
+                else:  # the stream decodes at every step
+                    assert s.num_tokens == 1
+        return seen
+
+    alone = chunks(False)
+    assert [n for _, n in alone[:-1]] == [budget] * (len(alone) - 1)
+    beside = chunks(True)
+    assert sum(n for _, n in beside) == 300 and beside[0][0] == 0
+    for (start, n), (next_start, _) in zip(beside, beside[1:]):
+        assert next_start == start + n
+    for start, n in beside[:-1]:  # each chunk as large as the weighted budget allows
+        cost = lambda c: c * (1 + (start + c / 2) / scale)  # noqa: E731
+        assert cost(n) <= budget - 1 < cost(n + 1), (start, n)
+    sizes = [n for _, n in beside]
+    assert sizes[0] > sizes[len(sizes) // 2] > sizes[-2]  # later chunks (longer context) are smaller
+    assert len(beside) > len(alone)
+
+
+def test_prefill_context_scale_of_a_llama_config():
+    from transformers import LlamaConfig
+
+    from ember.model_loader import prefill_context_scale
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    # per layer: q, o 576 x 576; k, v 576 x 192; gate, up, down 576 x 1536
+    assert prefill_context_scale(cfg) == (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) / (2 * 576)
+    assert prefill_context_scale(object()) is None
+    with pytest.raises(ValueError, match="prefill_context_scale"):
+        SchedulerConfig(prefill_context_scale=0)
 
 
 def test_step_budget_below_the_context_needs_chunked_prefill():
