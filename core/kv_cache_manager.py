@@ -190,6 +190,8 @@ class KVCacheManager:
         pool has too few free blocks.
         """
         table = self._block_tables.get(request_id)
+        if table is not None and not cached_blocks and len(table) * self.block_size >= num_tokens:
+            return []  # the common decode step: its slot lies in a block it holds
         assert not (cached_blocks and table), "cached blocks only start a table"
         num_new = max(0, self.num_blocks_for(num_tokens) - len(cached_blocks) - len(table or ()))
         if num_new + self.count_free_among(cached_blocks) > self.pool.num_free_blocks:
