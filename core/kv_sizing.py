@@ -79,7 +79,7 @@ def check_kv_cache(
 def profile_kv_budget(model, backend, attention, kv_dtype, num_tokens: int, block_size: int, max_num_seqs: int) -> int:
     """Bytes the backend gives the KV cache: its share of the memory left after the
     weights and the peak of one profiling forward pass at the largest step."""
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     started = time.perf_counter()
     activation_bytes = backend.peak_memory_of(
         lambda: _profile_forward(model, backend, attention, kv_dtype, num_tokens, block_size, max_num_seqs)

@@ -17,9 +17,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.hardware import cpu_kernels
+from ember.hardware.cpu_kernels import (
+    PackedLinear,
+    SmallBatchLinear,
+    onednn_linear,
+    onednn_linear_works,
+    packing_works,
+)
+from ember.hardware.cpu_paths import select_path
+from ember.models.layers import Linear
 from ember.plugin import hookimpl
 
 logger = logging.getLogger(__name__)
@@ -27,8 +35,12 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
 # Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
 DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20))
-# Products of at most this many rows read bf16 weight copies (SmallBatchLinear).
-SMALL_BATCH_ROWS = int(os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS", 4))
+# Products of at most this many rows read plain bf16 weights through the native
+# kernel: SmallBatchLinear (fp32 path) and PackedLinear (bf16 path, where oneDNN's
+# packed product was as fast at 4 rows and faster at 8).
+SMALL_BATCH_ROWS = {"fp32": 4, "bf16": 2}
+if os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS"):
+    SMALL_BATCH_ROWS = dict.fromkeys(SMALL_BATCH_ROWS, int(os.environ["EMBER_CPU_SMALL_BATCH_ROWS"]))
 
 
 @dataclass(slots=True)
@@ -204,79 +216,15 @@ def _rss_bytes(field: str) -> int | None:
     return None
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        # float32 only: without AVX512-BF16/AMX oneDNN has no bf16 inner product, and
-        # F.linear gives the clear error for mixed dtypes
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-_ONEDNN_OK: bool | None = None
-
-
-def _onednn_linear_works() -> bool:
-    """Whether this torch has oneDNN's linear and it agrees with F.linear (checked once)."""
-    global _ONEDNN_OK
-    if _ONEDNN_OK is None:
-        try:
-            x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-            _ONEDNN_OK = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
-                and torch.allclose(_onednn_linear(x, w), F.linear(x, w), atol=1e-5)
-            )
-        except (RuntimeError, AttributeError):
-            _ONEDNN_OK = False
-    return _ONEDNN_OK
-
-
-class SmallBatchLinear:
-    """The CPU ``linear_op`` of a bf16 model computed in float32: products of up to
-    ``max_rows`` rows read a bfloat16 copy of the weight through the native kernel
-    (half the bytes; the same bf16-rounded numbers, accumulated in float32), larger
-    ones run ``base`` on the float32 weight, where the GEMM is compute-bound and
-    oneDNN's blocking wins. Weights without a copy (none registered) take ``base``."""
-
-    def __init__(self, base, kernels, max_rows: int) -> None:
-        self.base = base
-        self.kernels = kernels
-        self.max_rows = max_rows
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def add(self, weight: torch.Tensor) -> None:
-        self._copies[id(weight)] = (weight, weight.detach().to(torch.bfloat16))
-
-    @property
-    def copy_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for _, c in self._copies.values())
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32:
-            entry = self._copies.get(id(weight))
-            if entry is not None and entry[0] is weight:
-                return self.kernels.gemv_bf16(x, entry[1], bias)
-        return self.base(x, weight, bias)
-
-
-def _has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: PyTorch's oneDNN then runs bf16 GEMMs fast."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 class CPUBackend(BaseBackend):
     """Always available. dtype ``auto`` is float32.
 
-    bfloat16 is a storage dtype for weights here: they are kept in bf16, while
-    matrix multiplies, activations and the KV cache use float32 on CPUs without
-    native bf16 support (no AVX512-BF16/AMX), where PyTorch's bf16 GEMM is several
-    times slower than its fp32 GEMM. Set ``EMBER_CPU_BF16_COMPUTE=1`` to force bf16
-    math (and a bf16 KV cache).
+    A bfloat16 model runs on one of two paths (``ember.hardware.cpu_paths``), chosen
+    at startup from the CPU's flags and logged: ``bf16`` (AMX or AVX512-BF16: bf16
+    math on weights prepacked for oneDNN, a bf16 KV cache) or ``fp32`` (elsewhere:
+    bf16 is a storage dtype, and matrix multiplies, activations and the KV cache use
+    float32, since PyTorch's bf16 GEMM is several times slower than its fp32 GEMM
+    there). ``EMBER_CPU_PATH=bf16|fp32`` forces one.
     """
 
     name = "cpu"
@@ -286,7 +234,7 @@ class CPUBackend(BaseBackend):
     default_step_tokens = 512
 
     def __init__(self) -> None:
-        self._native_bf16: bool | None = None
+        self._path: str | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -310,38 +258,72 @@ class CPUBackend(BaseBackend):
             )
         return dtype
 
+    @property
+    def path(self) -> str:
+        """``bf16`` or ``fp32``: how this backend runs a bf16 model (chosen once, logged)."""
+        if self._path is None:
+            self._path, why = select_path()
+            logger.info("cpu backend: %s path for bf16 models (%s)", self._path, why)
+        return self._path
+
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype != torch.bfloat16:
             return dtype
-        if os.environ.get("EMBER_CPU_BF16_COMPUTE") == "1":
-            return dtype
-        if self._native_bf16 is None:
-            self._native_bf16 = _has_native_bf16()
-        return torch.bfloat16 if self._native_bf16 else torch.float32
+        return torch.bfloat16 if self.path == "bf16" else torch.float32
 
     def linear_op(self):
         # oneDNN's linear beat F.linear (MKL sgemm) at every batch size measured on a
         # 2-core AVX2 EPYC: 1 row 30 vs 38 ms, 32 rows 105 vs 139 ms, 128 rows 258 vs
         # 307 ms per SmolLM2 forward's projections. Private op: F.linear where absent.
-        if os.environ.get("EMBER_CPU_LINEAR", "onednn") == "onednn" and _onednn_linear_works():
-            return _onednn_linear
+        if os.environ.get("EMBER_CPU_LINEAR", "onednn") == "onednn" and onednn_linear_works():
+            return onednn_linear
         return F.linear
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
+        if dtype != torch.bfloat16:
+            return
+        if self.compute_dtype(dtype) == torch.bfloat16:
+            self._pack_weights(model)
+            return
         # A bf16 model computed in fp32 keeps a bf16 copy of each matmul weight for
         # products of few rows (decode of a small batch), which are bound by reading
         # the weights: see SmallBatchLinear and ember.hardware.cpu_kernels. Costs
         # half the weights' fp32 bytes again; EMBER_CPU_NATIVE=0 turns it off.
-        if dtype != torch.bfloat16 or self.compute_dtype(dtype) != torch.float32 or SMALL_BATCH_ROWS <= 0:
-            return
-        kernels = cpu_kernels.load()
+        rows = SMALL_BATCH_ROWS["fp32"]
+        kernels = cpu_kernels.load() if rows > 0 else None
         if kernels is None:
             return
-        op = SmallBatchLinear(model.linear_op, kernels, SMALL_BATCH_ROWS)
+        op = SmallBatchLinear(model.linear_op, kernels, rows)
         for weight in model.matmul_weights():
             if weight.dtype == torch.float32 and weight.dim() == 2:
                 op.add(weight)
         model.set_linear_op(op)
+
+    def _pack_weights(self, model) -> None:
+        # The bf16 path: every Linear's weight is replaced by its oneDNN-packed form; a
+        # weight read elsewhere too (a tied LM head) gets a packed copy. Products of up
+        # to SMALL_BATCH_ROWS rows read plain bf16 weights kept beside the packed ones
+        # (PackedLinear; twice the weights' bytes, as the fp32 path's float32 weights
+        # and bf16 copies take three times). EMBER_CPU_SMALL_BATCH_ROWS=0 keeps the
+        # packed weights only; EMBER_CPU_LINEAR=plain keeps plain weights only (F.linear).
+        if os.environ.get("EMBER_CPU_LINEAR", "onednn") != "onednn" or not packing_works():
+            logger.info("cpu backend: bf16 weights kept in plain layout (F.linear)")
+            return
+        rows = SMALL_BATCH_ROWS["bf16"]
+        op = PackedLinear(model.linear_op, cpu_kernels.load() if rows > 0 else None, rows)
+        packed = 0
+        for module in model.modules():
+            if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+                module.set_packed_weight(op.pack(module.weight))
+                packed += 1
+        copies = [w for w in model.matmul_weights() if not w.is_mkldnn and w.dtype == torch.bfloat16]
+        for weight in copies:
+            op.add(weight)
+        model.set_linear_op(op)
+        logger.info(
+            "cpu backend: %d bf16 weights packed for oneDNN, %d packed copies; plain weights kept for products "
+            "of up to %d rows: %.1f MiB", packed, len(copies), op.max_rows, op.plain_bytes / 2**20,
+        )
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Converting every bf16 weight to fp32 on every forward read and wrote three
@@ -395,10 +377,10 @@ class CPUBackend(BaseBackend):
         return torch.get_num_threads()
 
     def layer_ops(self, compute_dtype: torch.dtype) -> dict:
-        # float32 only: each replaces 3 to 12 small PyTorch ops, whose per-op cost
-        # was most of a one-request decode step once the weights were read fast
+        # each replaces 3 to 12 small PyTorch ops, whose per-op cost was most of a
+        # one-request decode step once the weights were read fast (fp32 and bf16 paths)
         kernels = cpu_kernels.load()
-        if kernels is None or compute_dtype != torch.float32:
+        if kernels is None or compute_dtype not in cpu_kernels.KERNEL_DTYPES:
             return {}
         return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul}
 

@@ -42,8 +42,15 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-
-from ember.hardware.trusted_library import UntrustedKernelError, check_library, load_checked, make_private_dir, record_path
+import torch.nn.functional as F
+from ember.hardware.cpu_paths import cpu_flags
+from ember.hardware.trusted_library import (
+    UntrustedKernelError,
+    check_library,
+    load_checked,
+    make_private_dir,
+    record_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ SOURCE = "ember_cpu.c"
 # plain C then rounds as PyTorch does
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of attention and the layer ops
 MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
@@ -61,12 +69,12 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._gemv = lib.ember_gemv_bf16
-        self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._gemv.restype = None
-        self._attention = lib.ember_paged_decode_attention
-        self._attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-        self._attention.restype = None
+        # gemv over bf16 weights: float32 x/bias/y, or bfloat16 ones (ember_gemv_bf16_bf16)
+        self._gemv = _typed(lib, "ember_gemv_bf16", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
+                            bf16_name="ember_gemv_bf16_bf16")
+        # float32 and bfloat16 instantiations of attention and the layer ops, by dtype
+        self._attention = _typed(lib, "ember_paged_decode_attention",
+                                 [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int])
         self._greedy = lib.ember_greedy
         self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int]
@@ -74,34 +82,31 @@ class NativeKernels:
         # greedy's outputs, per number of rows: reused (a decode step then creates no
         # tensor; each small allocation costs tens of microseconds right after a forward)
         self._greedy_out: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
-        self._rms_norm = lib.ember_rms_norm
-        self._rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-        self._rms_norm.restype = None
-        self._rope = lib.ember_rope
-        self._rope.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-        self._rope.restype = None
-        self._silu_mul = lib.ember_silu_mul
-        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-        self._silu_mul.restype = None
+        self._rms_norm = _typed(lib, "ember_rms_norm",
+                                [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
+        self._rope = _typed(lib, "ember_rope",
+                            [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+        self._silu_mul = _typed(lib, "ember_silu_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
 
     def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for float32 ``x`` (M, K), bfloat16 ``weight`` (N, K)
-        and float32 ``bias`` (N,), accumulated in float32; returns float32 (M, N)."""
-        if x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
+        """``x @ weight.T + bias`` for ``x`` (M, K) and ``bias`` (N,) both float32 or both
+        bfloat16, and bfloat16 ``weight`` (N, K), accumulated in float32; returns
+        x's dtype (M, N)."""
+        if x.dtype not in KERNEL_DTYPES or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
             raise ValueError(
-                f"gemv_bf16 takes float32 x (M, K) and bfloat16 weight (N, K), "
+                f"gemv_bf16 takes float32 or bfloat16 x (M, K) and bfloat16 weight (N, K), "
                 f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}"
             )
         M, K = x.shape
         N = weight.shape[0]
         if weight.shape[1] != K:
             raise ValueError(f"gemv_bf16: x has {K} columns, weight has {weight.shape[1]}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
-            raise ValueError(f"gemv_bf16: bias must be float32 ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        if bias is not None and (bias.dtype != x.dtype or bias.shape != (N,)):
+            raise ValueError(f"gemv_bf16: bias must be {x.dtype} ({N},), got {bias.dtype} {tuple(bias.shape)}")
         x = x.contiguous()
         weight = weight.contiguous()
-        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-        self._gemv(
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        self._gemv[x.dtype](
             x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
             y.data_ptr(), M, N, K, torch.get_num_threads(),
         )
@@ -110,7 +115,7 @@ class NativeKernels:
     @staticmethod
     def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         return (
-            dtype == torch.float32 and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
+            dtype in KERNEL_DTYPES and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
             and num_heads * head_dim <= MAX_ATTENTION_WIDTH and num_heads <= 4096
         )
 
@@ -124,8 +129,8 @@ class NativeKernels:
         scale: float,
         tables_checked: bool = False,
     ) -> torch.Tensor:
-        """``q`` (B, Hq, D) float32, one query token per request; ``k_cache``, ``v_cache``
-        (num_blocks, block_size, Hkv, D) float32; ``block_tables`` (B, max_blocks) and
+        """``q`` (B, Hq, D) float32 or bfloat16, one query token per request; ``k_cache``,
+        ``v_cache`` (num_blocks, block_size, Hkv, D) of q's dtype; ``block_tables`` (B, max_blocks) and
         ``context_lens`` (B,) int64. Returns softmax(scale q K^T) V over each request's
         first ``context_lens[b]`` cached tokens, (B, Hq, D). ``tables_checked``: the
         caller ran :meth:`check_tables` on these tables already (once per step, not
@@ -135,7 +140,7 @@ class NativeKernels:
         if not self.attention_supports(Hq, Hkv, D, q.dtype) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
             raise ValueError(
                 f"paged_decode_attention: unsupported q {q.dtype} {tuple(q.shape)} with cache "
-                f"{k_cache.dtype} {tuple(k_cache.shape)} (float32, head_dim a multiple of 8, "
+                f"{k_cache.dtype} {tuple(k_cache.shape)} (float32 or bfloat16, head_dim a multiple of 8, "
                 f"heads a multiple of KV heads, heads * head_dim <= {MAX_ATTENTION_WIDTH})"
             )
         if Dk != D or v_cache.shape != k_cache.shape:
@@ -155,7 +160,7 @@ class NativeKernels:
         q = q.contiguous()
         block_tables = block_tables.contiguous()
         out = torch.empty_like(q)
-        self._attention(
+        self._attention[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, scale, torch.get_num_threads(),
         )
@@ -197,7 +202,8 @@ class NativeKernels:
         return ids, logprobs
 
 
-    # -- fused layer ops (BaseBackend.layer_ops): float32 only, callers check -----------
+    # -- fused layer ops (BaseBackend.layer_ops): float32 or bfloat16 tensors, one dtype
+    # for all of a call's tensors (cos/sin caches float32); callers check -----------------
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """``ember.models.layers.RMSNorm`` in one pass: ``norm(x)``, or with
@@ -209,7 +215,9 @@ class NativeKernels:
         if residual is not None:
             residual = residual.contiguous()
             total = torch.empty_like(x)
-        self._rms_norm(
+        if weight.dtype != x.dtype:
+            raise ValueError(f"rms_norm: weight is {weight.dtype}, x is {x.dtype}")
+        self._rms_norm[x.dtype](
             x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
             total.data_ptr() if total is not None else None, x.numel() // hidden, hidden, eps,
             torch.get_num_threads(),
@@ -222,7 +230,7 @@ class NativeKernels:
         T, heads, D = x.shape
         if x.stride(2) != 1 or x.stride(1) != D:
             raise ValueError(f"rope_ needs contiguous heads, got strides {x.stride()}")
-        self._rope(
+        self._rope[x.dtype](
             x.data_ptr(), T, x.stride(0), heads, D, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
             torch.get_num_threads(),
         )
@@ -233,23 +241,163 @@ class NativeKernels:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+
+# -- matrix products: the linear_op of each CPU path (ember.hardware.cpu_paths) -------------
+
+# oneDNN picks the blocked layout for a batch size; one layout serves every size
+# (1 to 512 rows measured within 3% of a layout picked for their own size).
+PACK_ROWS = 128
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        # float32 only: without AVX512-BF16/AMX oneDNN has no bf16 inner product, and
+        # F.linear gives the clear error for mixed dtypes
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_ONEDNN_OK: bool | None = None
+
+
+def onednn_linear_works() -> bool:
+    """Whether this torch has oneDNN's linear and it agrees with F.linear (checked once)."""
+    global _ONEDNN_OK
+    if _ONEDNN_OK is None:
+        try:
+            x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+            _ONEDNN_OK = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+                and torch.allclose(onednn_linear(x, w), F.linear(x, w), atol=1e-5)
+            )
+        except (RuntimeError, AttributeError):
+            _ONEDNN_OK = False
+    return _ONEDNN_OK
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in) bf16, reordered into oneDNN's blocked layout (an opaque
+    ``mkldnn`` tensor that only ``PackedLinear`` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+_PACKING_OK: bool | None = None
+
+
+def packing_works() -> bool:
+    """Whether this torch reorders bf16 weights and its packed product agrees with
+    F.linear (checked once; a CPU oneDNN cannot run bf16 on fails here)."""
+    global _PACKING_OK
+    if _PACKING_OK is None:
+        try:
+            x, w, b = (torch.randn(3, 64).bfloat16(), torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16())
+            got = torch.ops.mkldnn._linear_pointwise(x, pack_bf16(w), b, "none", [], "")
+            _PACKING_OK = bool(torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()), atol=0.1))
+        except (RuntimeError, AttributeError):
+            _PACKING_OK = False
+    return _PACKING_OK
+
+
+class PackedLinear:
+    """The CPU ``linear_op`` of the bf16 path. A ``Linear`` whose weight was packed
+    (``pack``, then ``Linear.set_packed_weight``) passes the packed tensor itself; a
+    weight also used elsewhere (a tied LM head, which the embedding reads) gets a
+    packed copy (``add``). Anything else goes to ``base``.
+
+    With ``kernels`` and ``max_rows`` > 0, the plain bf16 weights are kept beside the
+    packed ones and products of up to ``max_rows`` rows (decode of a small batch,
+    bound by reading the weights) take the native kernel over them: oneDNN's packed
+    product of one row read SmolLM2's weights from memory at 19 GB/s on a 2-core
+    AVX512-BF16 EPYC, the kernel at about 28."""
+
+    def __init__(self, base, kernels=None, max_rows: int = 0) -> None:
+        self.base = base
+        self.kernels = kernels
+        self.max_rows = max_rows if kernels is not None else 0
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(plain) -> (plain, packed)
+        self._plain: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(packed) -> (packed, plain)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed form of a ``Linear``'s weight (which the caller installs)."""
+        packed = pack_bf16(weight)
+        if self.max_rows > 0:
+            self._plain[id(packed)] = (packed, weight.detach())
+        return packed
+
+    def add(self, weight: torch.Tensor) -> None:
+        """A packed copy of ``weight``, which stays in use elsewhere too."""
+        self._packed[id(weight)] = (weight, pack_bf16(weight))
+
+    @property
+    def plain_bytes(self) -> int:
+        """Bytes of the plain weights kept for small batches beside the packed ones."""
+        return sum(p.numel() * p.element_size() for _, p in self._plain.values())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.is_mkldnn:
+            packed = weight
+            if x.dim() == 2 and x.shape[0] <= self.max_rows:
+                entry = self._plain.get(id(weight))
+                if entry is not None and entry[0] is weight:
+                    return self.kernels.gemv_bf16(x, entry[1], bias)
+        else:
+            entry = self._packed.get(id(weight))
+            if entry is None or entry[0] is not weight or x.dtype != torch.bfloat16:
+                return self.base(x, weight, bias)
+            if x.dim() == 2 and x.shape[0] <= self.max_rows:
+                return self.kernels.gemv_bf16(x, weight, bias)
+            packed = entry[1]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class SmallBatchLinear:
+    """The CPU ``linear_op`` of a bf16 model computed in float32: products of up to
+    ``max_rows`` rows read a bfloat16 copy of the weight through the native kernel
+    (half the bytes; the same bf16-rounded numbers, accumulated in float32), larger
+    ones run ``base`` on the float32 weight, where the GEMM is compute-bound and
+    oneDNN's blocking wins. Weights without a copy (none registered) take ``base``."""
+
+    def __init__(self, base, kernels, max_rows: int) -> None:
+        self.base = base
+        self.kernels = kernels
+        self.max_rows = max_rows
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, weight: torch.Tensor) -> None:
+        self._copies[id(weight)] = (weight, weight.detach().to(torch.bfloat16))
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for _, c in self._copies.values())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32:
+            entry = self._copies.get(id(weight))
+            if entry is not None and entry[0] is weight:
+                return self.kernels.gemv_bf16(x, entry[1], bias)
+        return self.base(x, weight, bias)
+
+
+def _typed(lib: ctypes.CDLL, name: str, argtypes: list, bf16_name: str | None = None) -> dict[torch.dtype, object]:
+    """``{torch.float32: name, torch.bfloat16: name_bf16}`` (or ``bf16_name``) with
+    their argument types."""
+    functions = {}
+    for dtype, symbol in ((torch.float32, name), (torch.bfloat16, bf16_name or name + "_bf16")):
+        function = getattr(lib, symbol)
+        function.argtypes = argtypes
+        function.restype = None
+        functions[dtype] = function
+    return functions
 
 
 _LOADED: NativeKernels | None = None
 _TRIED = False
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _cache_dir() -> Path:

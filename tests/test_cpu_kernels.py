@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from ember.hardware import cpu_kernels
-from ember.hardware.cpu import CPUBackend, SmallBatchLinear
+from ember.hardware.cpu import CPUBackend
+from ember.hardware.cpu_kernels import SmallBatchLinear
 
 
 @pytest.fixture
@@ -47,10 +47,10 @@ def test_gemv_bf16_takes_non_contiguous_rows(kernels):
 @pytest.mark.parametrize(
     "x,weight,bias,match",
     [
-        (torch.randn(2, 8).double(), torch.randn(4, 8).bfloat16(), None, "float32 x"),
+        (torch.randn(2, 8).double(), torch.randn(4, 8).bfloat16(), None, "float32 or bfloat16 x"),
         (torch.randn(2, 8), torch.randn(4, 8), None, "bfloat16 weight"),
         (torch.randn(2, 8), torch.randn(4, 9).bfloat16(), None, "x has 8 columns, weight has 9"),
-        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5), r"bias must be float32 \(4,\)"),
+        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5), r"bias must be torch.float32 \(4,\)"),
     ],
 )
 def test_gemv_bf16_names_bad_arguments(kernels, x, weight, bias, match):

@@ -48,6 +48,12 @@ class Linear(nn.Module):
             raise ValueError(f"{name} part {index}: expected shape {tuple(part.shape)}, got {tuple(tensor.shape)}")
         part.copy_(tensor)
 
+    def set_packed_weight(self, packed: torch.Tensor) -> None:
+        """Hold a backend's packed form of the weight (an opaque layout its
+        ``linear_op`` reads) in place of the plain one, which is freed."""
+        del self.weight
+        self.register_buffer("weight", packed, persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         b = self.bias

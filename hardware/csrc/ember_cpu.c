@@ -4,6 +4,12 @@
  *   ember_gemv_bf16               small-batch linear over bfloat16 weights
  *   ember_paged_decode_attention  one query token per request over the paged KV cache
  *   ember_greedy                  argmax and its log-probability, per row of logits
+ *   ember_rms_norm, ember_rope, ember_silu_mul   fused layer ops
+ *
+ * Attention and the layer ops come in two instantiations of one body: float32
+ * tensors (ember_X) and bfloat16 tensors (ember_X_bf16, the CPU's bf16 path). The
+ * bf16 ones compute in float32 and round each result to bf16 where PyTorch's bf16
+ * ops round (every op's output), so both match PyTorch's numbers in their dtype.
  *
  * ember_gemv_bf16: y = x @ w.T + b for float32 x (M, K), bfloat16 w (N, K), float32
  * b (N) and y (M, N), M small (decode). A bf16 number is the upper half of a float32: widening it is a 16-bit shift,
@@ -40,6 +46,52 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* float32 -> bfloat16, round to nearest even; NaN stays a (quiet) NaN, as in PyTorch */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 8 floats rounded to bf16, kept as float32 (the low 16 bits cleared) */
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+
+/* Element access for a kernel body written once over float32 (bf16 = 0) and bfloat16
+ * (bf16 = 1) tensors; always inlined with a constant flag, so each instantiation
+ * carries no branch. Stores round to the tensor's dtype; `rnd` rounds a value as a
+ * PyTorch op of that dtype rounds its result. */
+#define INLINE static inline __attribute__((always_inline))
+INLINE float ld1(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+INLINE void st1(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = float_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+INLINE float rnd(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+INLINE __m256 ld8(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+INLINE __m256 rnd8(__m256 v, int bf16) { return bf16 ? round8_bf16(v) : v; }
+INLINE void st8(void *p, int64_t i, __m256 v, int bf16) {
+    if (bf16) {
+        __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(v)), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    } else {
+        _mm256_storeu_ps((float *)p + i, v);
+    }
+}
+
 static inline float dot(const uint16_t *w, const float *x, int64_t K) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
@@ -57,15 +109,32 @@ static inline float dot(const uint16_t *w, const float *x, int64_t K) {
     return s;
 }
 
-void ember_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y,
-                     int64_t M, int64_t N, int64_t K, int nthreads) {
+INLINE void gemv(const float *x, const uint16_t *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
+                 int nthreads, int bf16) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; ++n) {
         const uint16_t *row = w + n * K;
-        float bias = b ? b[n] : 0.0f;
+        float bias = b ? ld1(b, n, bf16) : 0.0f;
         for (int64_t m = 0; m < M; ++m)
-            y[m * N + n] = dot(row, x + m * K, K) + bias;
+            st1(y, m * N + n, dot(row, x + m * K, K) + bias, bf16);
     }
+}
+
+void ember_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y,
+                     int64_t M, int64_t N, int64_t K, int nthreads) {
+    gemv(x, w, b, y, M, N, K, nthreads, 0);
+}
+
+/* ember_gemv_bf16_bf16: the same for bfloat16 x, b and y (the CPU's bf16 path); x is
+ * widened to float32 once, y rounded to bf16 (PyTorch's bf16 linear accumulates in
+ * float32 and rounds its output the same way). */
+void ember_gemv_bf16_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, int nthreads) {
+    float *xf = (float *)malloc(sizeof(float) * M * K);
+    if (!xf) return;
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(x[i]);
+    gemv(xf, w, b, y, M, N, K, nthreads, 1);
+    free(xf);
 }
 
 /* exp(x) for 8 floats: Cephes' expf polynomial (about 1 ulp); inputs below -88.38
@@ -127,39 +196,45 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
  * loaded once and added into the G outputs of its head, which stay in L1. */
 #define GROUP_CHUNK 8
 
-void ember_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
-                                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int nthreads) {
+INLINE void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                                   const int64_t *block_tables, const int64_t *context_lens, void *out,
+                                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                   int64_t max_blocks, float scale, int nthreads, int bf16) {
     const int64_t G = Hq / Hkv, row = Hkv * D;
     #pragma omp parallel num_threads(nthreads)
     {
         float *scores = NULL;  /* (Hq, L) */
         int64_t capacity = 0;
-        float acc[16384];
+        float acc[16384], qf[16384];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b) {
             const int64_t L = context_lens[b];
             const int64_t *table = block_tables + b * max_blocks;
-            const float *qb = q + b * Hq * D;
+            const float *qb;
+            if (bf16) {
+                for (int64_t i = 0; i < Hq * D; i += 8) _mm256_storeu_ps(qf + i, ld8(q, b * Hq * D + i, 1));
+                qb = qf;
+            } else {
+                qb = (const float *)q + b * Hq * D;
+            }
             if (Hq * L > capacity) {
                 free(scores);
                 capacity = Hq * L * 2;
                 scores = (float *)malloc(sizeof(float) * capacity);
             }
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-                const float *block = k_cache + table[t0 / block_size] * block_size * row;
+                const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
                 for (int64_t j = 0; j < n_t; ++j) {
                     for (int64_t h = 0; h < Hkv; ++h) {
-                        const float *k = block + j * row + h * D;
+                        const int64_t k = block + j * row + h * D;
                         for (int64_t g0 = 0; g0 < G; g0 += GROUP_CHUNK) {
                             const int64_t n = G - g0 < GROUP_CHUNK ? G - g0 : GROUP_CHUNK;
                             const float *qh = qb + (h * G + g0) * D;
                             __m256 a[GROUP_CHUNK];
                             for (int64_t g = 0; g < n; ++g) a[g] = _mm256_setzero_ps();
                             for (int64_t d = 0; d < D; d += 8) {
-                                __m256 kv = _mm256_loadu_ps(k + d);
+                                __m256 kv = ld8(k_cache, k + d, bf16);
                                 for (int64_t g = 0; g < n; ++g)
                                     a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + d), kv, a[g]);
                             }
@@ -176,13 +251,13 @@ void ember_paged_decode_attention(const float *q, const float *k_cache, const fl
             }
             memset(acc, 0, sizeof(float) * Hq * D);
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-                const float *block = v_cache + table[t0 / block_size] * block_size * row;
+                const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
                 for (int64_t j = 0; j < n_t; ++j) {
                     for (int64_t h = 0; h < Hkv; ++h) {
-                        const float *v = block + j * row + h * D;
+                        const int64_t v = block + j * row + h * D;
                         for (int64_t d = 0; d < D; d += 8) {
-                            __m256 vv = _mm256_loadu_ps(v + d);
+                            __m256 vv = ld8(v_cache, v + d, bf16);
                             for (int64_t g = 0; g < G; ++g) {
                                 const int64_t hq = h * G + g;
                                 float *a = acc + hq * D + d;
@@ -193,15 +268,30 @@ void ember_paged_decode_attention(const float *q, const float *k_cache, const fl
                     }
                 }
             }
-            float *o = out + b * Hq * D;
             for (int64_t hq = 0; hq < Hq; ++hq) {
                 __m256 iv = _mm256_set1_ps(inv[hq]);
                 for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + hq * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + hq * D + d), iv));
+                    st8(out, (b * Hq + hq) * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + hq * D + d), iv), bf16);
             }
         }
         free(scores);
     }
+}
+
+void ember_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
+                                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                  int64_t max_blocks, float scale, int nthreads) {
+    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
+                           max_blocks, scale, nthreads, 0);
+}
+
+void ember_paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                       const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+                                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                       int64_t max_blocks, float scale, int nthreads) {
+    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
+                           max_blocks, scale, nthreads, 1);
 }
 
 /* ember_greedy: per row of logits (rows, V): ids[r] = the first index of the row's
@@ -246,67 +336,98 @@ void ember_greedy(const float *logits, int64_t rows, int64_t V, int64_t *ids, fl
     }
 }
 
-/* ember_rms_norm: per row of x (rows, H), out = w * (x / sqrt(mean(x^2) + eps)), in
- * float32; with `residual`, x + residual is normalized and also written to sum_out. */
-void ember_rms_norm(const float *x, const float *residual, const float *w, float *out, float *sum_out,
-                    int64_t rows, int64_t H, float eps, int nthreads) {
+/* ember_rms_norm: per row of x (rows, H), out = w * (x / sqrt(mean(x^2) + eps)), the
+ * mean in float32; with `residual`, x + residual is normalized and also written to
+ * sum_out. */
+INLINE void rms_norm(const void *x, const void *residual, const void *w, void *out, void *sum_out,
+                     int64_t rows, int64_t H, float eps, int nthreads, int bf16) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
     for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * H;
-        float *o = out + r * H;
+        const void *xr = x;
+        int64_t base = r * H;
         if (residual) {
-            const float *rr = residual + r * H;
-            float *s = sum_out + r * H;
-            for (int64_t i = 0; i < H; ++i) s[i] = xr[i] + rr[i];
-            xr = s;
+            for (int64_t i = 0; i < H; ++i) st1(sum_out, base + i, ld1(x, base + i, bf16) + ld1(residual, base + i, bf16), bf16);
+            xr = sum_out;
         }
         __m256 acc = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 8 <= H; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
+            __m256 v = ld8(xr, base + i, bf16);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
         float ss = hsum(acc);
-        for (; i < H; ++i) ss += xr[i] * xr[i];
+        for (; i < H; ++i) ss += ld1(xr, base + i, bf16) * ld1(xr, base + i, bf16);
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (i = 0; i < H; ++i) o[i] = w[i] * (xr[i] * inv);
+        for (i = 0; i < H; ++i) st1(out, base + i, ld1(w, i, bf16) * rnd(ld1(xr, base + i, bf16) * inv, bf16), bf16);
     }
 }
 
+void ember_rms_norm(const float *x, const float *residual, const float *w, float *out, float *sum_out,
+                    int64_t rows, int64_t H, float eps, int nthreads) {
+    rms_norm(x, residual, w, out, sum_out, rows, H, eps, nthreads, 0);
+}
+
+void ember_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out,
+                         uint16_t *sum_out, int64_t rows, int64_t H, float eps, int nthreads) {
+    rms_norm(x, residual, w, out, sum_out, rows, H, eps, nthreads, 1);
+}
+
 /* ember_rope: rotate-half rotary embedding in place on x (rows, heads, D), rows
- * row_stride floats apart, heads D apart: x = x * cos + rotate_half(x) * sin with
- * cos/sin rows of the caches (max_position, D) at positions[r]. Compiled without
- * FMA contraction, this gives PyTorch's numbers exactly. */
-void ember_rope(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const int64_t *positions,
-                const float *cos_cache, const float *sin_cache, int nthreads) {
+ * row_stride elements apart, heads D apart: x = x * cos + rotate_half(x) * sin with
+ * float32 cos/sin rows of the caches (max_position, D) at positions[r] (rounded to
+ * bf16 first for bf16 x, as PyTorch's path casts them). Compiled without FMA
+ * contraction, this gives PyTorch's numbers exactly. */
+INLINE void rope(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const int64_t *positions,
+                 const float *cos_cache, const float *sin_cache, int nthreads, int bf16) {
     const int64_t half = D / 2;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
     for (int64_t r = 0; r < rows; ++r) {
         const float *c = cos_cache + positions[r] * D, *s = sin_cache + positions[r] * D;
         for (int64_t h = 0; h < heads; ++h) {
-            float *v = x + r * row_stride + h * D;
+            const int64_t v = r * row_stride + h * D;
             for (int64_t i = 0; i < half; ++i) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] + (-b) * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
+                const float a = ld1(x, v + i, bf16), b = ld1(x, v + i + half, bf16);
+                st1(x, v + i, rnd(a * rnd(c[i], bf16), bf16) + rnd((-b) * rnd(s[i], bf16), bf16), bf16);
+                st1(x, v + i + half,
+                    rnd(b * rnd(c[i + half], bf16), bf16) + rnd(a * rnd(s[i + half], bf16), bf16), bf16);
             }
         }
     }
 }
 
+void ember_rope(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const int64_t *positions,
+                const float *cos_cache, const float *sin_cache, int nthreads) {
+    rope(x, rows, row_stride, heads, D, positions, cos_cache, sin_cache, nthreads, 0);
+}
+
+void ember_rope_bf16(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D,
+                     const int64_t *positions, const float *cos_cache, const float *sin_cache, int nthreads) {
+    rope(x, rows, row_stride, heads, D, positions, cos_cache, sin_cache, nthreads, 1);
+}
+
 /* ember_silu_mul: out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu (rows, 2 I). */
-void ember_silu_mul(const float *gu, float *out, int64_t rows, int64_t I, int nthreads) {
+INLINE void silu_mul(const void *gu, void *out, int64_t rows, int64_t I, int nthreads, int bf16) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
     for (int64_t r = 0; r < rows; ++r) {
-        const float *g = gu + r * 2 * I, *u = g + I;
-        float *o = out + r * I;
+        const int64_t g = r * 2 * I, u = g + I, o = r * I;
         int64_t i = 0;
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+            __m256 gv = ld8(gu, g + i, bf16);
+            __m256 sg = rnd8(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))), bf16);
+            st8(out, o + i, _mm256_mul_ps(sg, ld8(gu, u + i, bf16)), bf16);
         }
-        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < I; ++i) {
+            const float gi = ld1(gu, g + i, bf16);
+            st1(out, o + i, rnd(gi / (1.0f + expf(-gi)), bf16) * ld1(gu, u + i, bf16), bf16);
+        }
     }
+}
+
+void ember_silu_mul(const float *gu, float *out, int64_t rows, int64_t I, int nthreads) {
+    silu_mul(gu, out, rows, I, nthreads, 0);
+}
+
+void ember_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int nthreads) {
+    silu_mul(gu, out, rows, I, nthreads, 1);
 }
