@@ -134,6 +134,9 @@ class BaseBackend(ABC):
     #: no budget: smaller bounds the gap a long prompt puts between other requests'
     #: tokens, larger computes prompts in fewer, more efficient steps.
     default_step_tokens: ClassVar[int] = 2048
+    #: The budget of a step in which no request decodes (prompts only; nobody waits
+    #: between steps), when the user gave no budget; None: ``default_step_tokens``.
+    default_prefill_step_tokens: ClassVar[int | None] = None
 
     @classmethod
     @abstractmethod

@@ -41,6 +41,9 @@ class SchedulerConfig:
     # linear layers), so a long prompt's late chunks shrink and a step's time stays
     # bounded for the streams beside it. None: every token costs 1.
     prefill_context_scale: float | None = None
+    # The step budget while no request decodes (prompts only): larger products run
+    # faster per token and nobody waits between steps. None: max_num_batched_tokens.
+    prefill_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -51,6 +54,11 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_step_tokens ({self.prefill_step_tokens}) must be >= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) or None"
+            )
         if self.prefill_context_scale is not None and not self.prefill_context_scale > 0:
             raise ValueError(f"prefill_context_scale must be > 0 or None, got {self.prefill_context_scale}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -118,11 +118,13 @@ class EngineCore:
         self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
 
         max_model_len = self.max_model_len
+        prefill_batched = None  # the budget of a step with no decode: the same
         if config.max_num_batched_tokens is not None:
             max_batched = config.max_num_batched_tokens
         elif config.enable_chunked_prefill:
             # at least one decode token for every running request fits a step
             max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
+            prefill_batched = max(max_batched, self.backend.default_prefill_step_tokens or 0)
         else:
             max_batched = max(8192, max_model_len)
 
@@ -131,7 +133,8 @@ class EngineCore:
             # The backend's share of the memory left after the weights and the peak of
             # a profiling forward pass at the largest step (vLLM's approach).
             budget = profile_kv_budget(
-                self.model, self.backend, attention, self.kv_dtype, min(max_batched, max_model_len), block_size,
+                self.model, self.backend, attention, self.kv_dtype,
+                min(max(max_batched, prefill_batched or 0), max_model_len), block_size,
                 config.max_num_seqs,
             )
             num_blocks = budget // (bytes_per_token * block_size)
@@ -140,7 +143,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill,
-                prefill_context_scale(self.hf_config),
+                prefill_context_scale(self.hf_config), prefill_batched,
             ),
             self.kv_manager,
         )

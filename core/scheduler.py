@@ -263,7 +263,6 @@ class Scheduler:
         return num
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens, in scheduling order
         preempted_for_blocks = False
 
@@ -272,6 +271,10 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
         weigh = bool(decoding)  # streams are waiting for this step: long chunks shrink
+        # with no stream waiting, prompts take the (larger) prefill-only budget
+        budget = self.config.max_num_batched_tokens
+        if not decoding and self.config.prefill_step_tokens is not None:
+            budget = self.config.prefill_step_tokens
         for request in decoding + prefilling:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

@@ -68,9 +68,10 @@ class Step(list):
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_batched=64, max_model_len=64, prefix_caching=False,
-                   chunked_prefill=False, context_scale=None):
+                   chunked_prefill=False, context_scale=None, prefill_batched=None):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked_prefill, context_scale), kv)
+    config = SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked_prefill, context_scale, prefill_batched)
+    return Scheduler(config, kv)
 
 
 def make_request(rid, prompt_len, max_tokens=4, **params):
@@ -290,6 +291,32 @@ def test_long_prompt_chunks_shrink_with_their_context_while_others_decode():
     sizes = [n for _, n in beside]
     assert sizes[0] > sizes[len(sizes) // 2] > sizes[-2]  # later chunks (longer context) are smaller
     assert len(beside) > len(alone)
+
+
+def test_prompts_alone_take_the_prefill_budget_and_streams_bring_back_the_step_budget():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_batched=8, max_model_len=128, chunked_prefill=True,
+                           prefill_batched=32)
+    sched.add_request(make_request("a", 50, max_tokens=3))
+    sched.add_request(make_request("b", 10, max_tokens=3))
+    items, _ = run_step(sched)  # nobody decodes: 32 tokens of prompts
+    assert [(s.request_id, s.num_tokens) for s in items] == [("a", 32)]
+    items, _ = run_step(sched)
+    assert [(s.request_id, s.num_tokens) for s in items] == [("a", 18), ("b", 10)]
+    sched.add_request(make_request("c", 40, max_tokens=1))
+    items, _ = run_step(sched)  # a and b decode now: the 8-token budget, c gets what is left
+    assert [(s.request_id, s.num_tokens) for s in items] == [("a", 1), ("b", 1), ("c", 6)]
+    with pytest.raises(ValueError, match=r"prefill_step_tokens \(4\) must be >= max_num_batched_tokens \(8\)"):
+        SchedulerConfig(8, 8, 64, True, None, 4)
+
+
+def test_the_engine_takes_the_backends_prefill_budget_unless_the_user_set_one(tiny_llama_dir):
+    from ember import LLM
+
+    llm = LLM(model=str(tiny_llama_dir))
+    config = llm.engine.core.scheduler.config
+    assert (config.max_num_batched_tokens, config.prefill_step_tokens) == (512, 4096)  # the CPU backend's
+    user = LLM(model=str(tiny_llama_dir), max_num_batched_tokens=256)
+    assert user.engine.core.scheduler.config.prefill_step_tokens is None  # the user's budget holds for every step
 
 
 def test_prefill_context_scale_of_a_llama_config():
