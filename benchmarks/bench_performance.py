@@ -1,19 +1,28 @@
-"""Every figure of the performance page in one run (issue 7), SmolLM2-135M-Instruct in
-bfloat16 on this machine's CPU. Each figure is a ratio against a baseline measured in
-this same run; absolute numbers move with the machine's load.
+"""Every figure of issue 14 in one run: SmolLM2-135M-Instruct in bfloat16 on this
+machine's CPU, against transformers and (with --with-vllm) vLLM's CPU build, each a
+ratio of runs made back to back in this one script.
 
-1. Offline throughput: 128 chat prompts x 128 new tokens, greedy, ignore_eos.
-   Ember (`LLM.generate`) / transformers `generate` (static batches of 32, left
-   padding, same prompts, same dtype). Peak resident memory after Ember's run.
-2. Larger load: 512 such requests, up to 256 running; Ember's tokens/s and its
-   ratio to the 128-request figure.
-3. Single-request decode: one chat prompt, 256 new tokens; Ember / transformers.
-4. Served over HTTP: `ember serve` started with the model cached (time to healthy),
-   then `ember bench serve` with 64 concurrent streaming chat requests x 128 tokens,
-   against `ember bench offline` with the same 64 requests; TTFT p99.
+1. Prefill: one request of N prompt tokens (512, 2048, 4096, 8192 ...: the lengths
+   the model's context allows), time to its first token, against one transformers
+   forward over the same ids in the path's compute dtype; then the worst gap between
+   the tokens of 16 decoding streams while a 4096-token prompt arrives. On both CPU
+   paths (ember.hardware.cpu_paths): the one this CPU selects and the other, forced.
+2. Offline: 128 chat prompts x 128 new tokens, greedy, ignore_eos. Ember on both
+   paths; transformers bf16 `generate` in static batches of 32 (and how many of its
+   greedy outputs Ember's equal); vLLM `LLM.generate`, default and with
+   VLLM_CPU_NUM_OF_RESERVED_CPU=0 (both cores compute).
+3. Batch-1 decode: one chat prompt, 256 new tokens: Ember (both paths),
+   transformers bf16, vLLM (both settings).
+4. Served: 64 and 128 concurrent streaming chat requests x 128 tokens through
+   `ember bench serve` against `ember serve` and vLLM's OpenAI server (at its better
+   offline setting): output tok/s and TTFT.
 
-    python benchmarks/bench_performance.py [--out benchmarks/results/performance.json]
-        [--skip-hf] [--plot-dir docs/img/performance]
+Without --with-vllm, or where vLLM cannot run here (the script says why), the vLLM
+figures are absent and transformers is the baseline. Prints the figures and writes
+JSON with lscpu's model name and flags.
+
+    python benchmarks/bench_performance.py [--with-vllm] [--out benchmarks/results/performance.json]
+        [--skip SECTION ...] [--lengths 512,2048,4096,8192,16384] [--served 64,128]
 """
 
 from __future__ import annotations
@@ -28,12 +37,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import cpu_model_name, make_conversations, run_hf  # noqa: E402
+from bench_prefill import cpu_flags, ember_prefill, gap_beside_streams, random_ids, transformers_forward  # noqa: E402
+
+SECTIONS = ("prefill", "offline", "decode", "served")
+PATHS = ("bf16", "fp32")
+GAP_PROMPT = 4096  # tokens of the prompt arriving beside 16 decoding streams
 
 
 def ember_generate(llm, prompt_ids, max_tokens):
@@ -46,156 +61,245 @@ def ember_generate(llm, prompt_ids, max_tokens):
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
+@contextmanager
+def cpu_path(path: str):
+    """Ember's CPU backend on `path` (EMBER_CPU_PATH) for the engines built inside."""
+    before = os.environ.get("EMBER_CPU_PATH")
+    os.environ["EMBER_CPU_PATH"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["EMBER_CPU_PATH"]
+        else:
+            os.environ["EMBER_CPU_PATH"] = before
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def served(model_dir: str, num: int, max_tokens: int, work: Path, plot_dir: str | None) -> dict:
-    """Start `ember serve`, time it to healthy, drive it with `ember bench serve`; then
-    `ember bench offline` with the same requests (the server stopped by then)."""
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> float:
     import httpx
 
-    exe = shutil.which("ember", path=os.path.dirname(sys.executable)) or shutil.which("ember")
-    port = free_port()
-    log = open(work / "serve.log", "w")
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        [exe, "serve", "--model-id", model_dir, "--dtype", "bfloat16", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    while time.perf_counter() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not healthy in {timeout_s:.0f} s: {log.read_text(errors='replace')[-2000:]}")
+
+
+def bench_serve(url: str, label: str, concurrency: int, max_tokens: int, work: Path) -> dict:
+    """`ember bench serve` with `concurrency` streaming chat requests, all at once."""
+    exe = shutil.which("ember", path=os.path.dirname(sys.executable)) or shutil.which("ember")
+    out = work / f"{label.replace(' ', '_')}_{concurrency}.json"
+    subprocess.run([exe, "bench", "serve", "--base-url", url, "--dataset", "chat", "--num-prompts", str(concurrency),
+                    "--max-tokens", str(max_tokens), "--max-concurrency", str(concurrency), "--result-file", str(out),
+                    "--label", label, "--no-progress"], check=True)
+    result = json.loads(out.read_text())
+    return {"output_tokens_per_s": result["output_throughput"], "ttft_ms": result["ttft_ms"],
+            "failed": result["num_failed"], "duration_s": result["duration_s"]}
+
+
+def served(start, label: str, concurrencies: list[int], max_tokens: int, work: Path) -> dict:
+    """Start a server (`start(port, log)` -> Popen), time it to healthy, run each load."""
+    port, log = free_port(), work / f"{label.replace(' ', '_')}.log"
+    proc = start(port, log)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ember serve exited: {(work / 'serve.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        startup_s = time.perf_counter() - started
-        serve_json = work / "serve.json"
-        cmd = [exe, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "chat",
-               "--num-prompts", str(num), "--max-tokens", str(max_tokens), "--max-concurrency", str(num),
-               "--result-file", str(serve_json), "--label", "ember serve (HTTP)", "--no-progress"]
-        if plot_dir:
-            cmd += ["--plot-dir", plot_dir]
-        subprocess.run(cmd, check=True)
+        healthy = wait_healthy(f"http://127.0.0.1:{port}", proc, log)  # from the process's start
+        result = {"startup_to_healthy_s": healthy}
+        for n in concurrencies:
+            result[str(n)] = r = bench_serve(f"http://127.0.0.1:{port}", label, n, max_tokens, work)
+            print(f"4. {label}, {n} concurrent: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                  f"{r['ttft_ms']['p50']:.0f} ms, p99 {r['ttft_ms']['p99']:.0f} ms, {r['failed']} failed", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
-    offline_json = work / "offline.json"
-    subprocess.run([exe, "bench", "offline", "--model", model_dir, "--dtype", "bfloat16", "--dataset", "chat",
-                    "--num-prompts", str(num), "--max-tokens", str(max_tokens), "--result-file", str(offline_json),
-                    "--label", "ember offline", "--no-progress"], check=True)
-    over_http = json.loads(serve_json.read_text())
-    offline = json.loads(offline_json.read_text())
-    return {"startup_to_healthy_s": startup_s, "serve": over_http, "offline": offline}
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+    return result
+
+
+def start_ember(model_dir: str):
+    exe = shutil.which("ember", path=os.path.dirname(sys.executable)) or shutil.which("ember")
+
+    def start(port: int, log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            return subprocess.Popen([exe, "serve", "--model-id", model_dir, "--dtype", "bfloat16", "--port", str(port)],
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return start
+
+
+def prefill_section(model_dir: str, lengths: list[int], result: dict) -> None:
+    import transformers
+
+    from ember import LLM
+
+    hf_models = {}
+    for path in PATHS:
+        with cpu_path(path):
+            llm = LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=False,
+                      max_model_len=max(lengths + [GAP_PROMPT]) + 1)
+        dtype = llm.engine.model.compute_dtype
+        if dtype not in hf_models:
+            hf_models[dtype] = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        ember_prefill(llm, random_ids(64, 0))  # warm
+        rows = result.setdefault("prefill", {})[path] = {"compute_dtype": str(dtype).removeprefix("torch.")}
+        for n in lengths:
+            ids = random_ids(n, n)
+            e = n / ember_prefill(llm, ids)
+            h = n / transformers_forward(hf_models[dtype], ids)
+            rows[str(n)] = {"ember_tokens_per_s": e, "transformers_tokens_per_s": h, "ratio": e / h}
+            print(f"1. prefill {n} tokens, {path} path: ember {e:.0f} tok/s, transformers {dtype} forward "
+                  f"{h:.0f} tok/s -> {e / h:.2f}x (bar 1.5)", flush=True)
+        gap = gap_beside_streams(llm, GAP_PROMPT, weighted=True, seed=1)
+        rows["gap_4096_beside_16"] = gap
+        print(f"1. 4096-token prompt beside 16 streams, {path} path: worst gap {gap['worst_gap_s']:.2f} s "
+              f"(bar 1 s), its TTFT {gap['long_prompt_ttft_s']:.1f} s", flush=True)
+        del llm
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "performance.json"))
-    parser.add_argument("--plot-dir", default=None, help="PNG plots of the HTTP run (ember bench serve --plot-dir)")
-    parser.add_argument("--skip-hf", action="store_true", help="Ember's figures only (no transformers baselines)")
+    parser.add_argument("--with-vllm", action="store_true", help="vLLM's CPU build as the peer (installed once, cached)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--large", type=int, default=512, help="requests of the larger load")
     parser.add_argument("--decode-tokens", type=int, default=256)
-    parser.add_argument("--served", type=int, default=64, help="concurrent requests over HTTP")
+    parser.add_argument("--lengths", default="512,2048,4096,8192,16384", help="prefill lengths (within the context)")
+    parser.add_argument("--served", default="64,128", help="concurrent streams of the served runs")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from ember import LLM
     from ember.weights import resolve_model
 
     model_dir = str(resolve_model(None))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    convs = make_conversations(max(args.num_prompts, args.large))
+    context = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     ids = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                            add_special_tokens=False) for c in convs]
-    result: dict = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(), "model": model_dir, "dtype": "bfloat16"}
-    print(f"{result['cpu']}, {result['cores']} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+                            add_special_tokens=False) for c in make_conversations(args.num_prompts)]
+    result: dict = {"cpu": cpu_model_name(), "flags": cpu_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
+                    "model": model_dir, "dtype": "bfloat16"}
+    print(f"{result['cpu']} ({' '.join(result['flags'])}), {result['cores']} cores, torch {torch.__version__}",
+          flush=True)
 
-    # 1 + 2 + 3, Ember: the KV pool holds 256 running requests of up to 240 tokens
-    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30)
-    ember_generate(llm, ids[:2], 4)  # warm-up
-    e_tokens, e_time, e_out = ember_generate(llm, ids[: args.num_prompts], args.max_tokens)
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    e_tps = e_tokens / e_time
-    print(f"1. ember, {args.num_prompts} x {args.max_tokens}: {e_tps:.1f} tok/s ({e_time:.1f} s); "
-          f"peak RSS {peak_rss_mib:.0f} MiB")
-    preempt0 = llm.engine.scheduler.num_preemptions
-    l_tokens, l_time, _ = ember_generate(llm, ids[: args.large], args.max_tokens)
-    l_tps = l_tokens / l_time
-    preemptions = llm.engine.scheduler.num_preemptions - preempt0
-    print(f"2. ember, {args.large} x {args.max_tokens}, up to {llm.engine.scheduler.config.max_num_seqs} running: "
-          f"{l_tps:.1f} tok/s ({l_time:.1f} s), {l_tps / e_tps:.2f}x the {args.num_prompts}-request figure; "
-          f"{preemptions} preemptions")
-    d_tokens, d_time, _ = ember_generate(llm, ids[:1], args.decode_tokens)
-    d_tps = d_tokens / d_time
-    print(f"3. ember, one request x {args.decode_tokens}: {d_tps:.1f} tok/s")
-    result["offline_128"] = {"ember_tokens_per_s": e_tps, "ember_seconds": e_time, "peak_rss_mib": peak_rss_mib}
-    result["large_load"] = {"requests": args.large, "max_running": llm.engine.scheduler.config.max_num_seqs,
-                            "tokens_per_s": l_tps, "ratio_to_128": l_tps / e_tps, "preemptions": preemptions}
-    result["single_decode"] = {"new_tokens": args.decode_tokens, "ember_tokens_per_s": d_tps}
-    result["num_threads"] = llm.engine.num_threads
-    result["native_kernels"] = llm.engine.runner.attention.kernels is not None
-    del llm
+    vllm_python = None
+    if args.with_vllm:
+        from peer_vllm import ensure_vllm_venv
 
-    # The same Ember with PyTorch's kernels only (EMBER_CPU_NATIVE=0): what the
-    # native kernels (hardware/csrc/ember_cpu.c) bring, measured in this run.
-    from ember.hardware import cpu_kernels
+        vllm_python, why = ensure_vllm_venv()
+        result["vllm"] = {"available": vllm_python is not None, "why_not": why or None}
+        if vllm_python is None:
+            print(f"vLLM can't run here ({why}); transformers is the baseline", flush=True)
 
-    os.environ["EMBER_CPU_NATIVE"] = "0"
-    cpu_kernels._TRIED, cpu_kernels._LOADED = False, None  # load() decides once per process
-    plain = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30)
-    ember_generate(plain, ids[:2], 4)
-    p_tokens, p_time, p_out = ember_generate(plain, ids[: args.num_prompts], args.max_tokens)
-    p1_tokens, p1_time, _ = ember_generate(plain, ids[:1], args.decode_tokens)
-    del plain
-    del os.environ["EMBER_CPU_NATIVE"]
-    cpu_kernels._TRIED, cpu_kernels._LOADED = False, None
-    result["pytorch_only"] = {
-        "offline_128_tokens_per_s": p_tokens / p_time, "native_speedup_128": e_tps / (p_tokens / p_time),
-        "single_decode_tokens_per_s": p1_tokens / p1_time, "native_speedup_single": d_tps / (p1_tokens / p1_time),
-        "identical_greedy_128": sum(a == b for a, b in zip(e_out, p_out)),
-    }
-    print(f"1/3. ember with PyTorch kernels only: {p_tokens / p_time:.1f} tok/s offline "
-          f"(native {e_tps / (p_tokens / p_time):.2f}x), one request {p1_tokens / p1_time:.1f} tok/s "
-          f"(native {d_tps / (p1_tokens / p1_time):.2f}x); "
-          f"{result['pytorch_only']['identical_greedy_128']}/{args.num_prompts} identical greedy outputs")
+    if "prefill" not in args.skip:
+        # a prompt of the whole context leaves no room for its token: one fewer
+        asked = [int(n) for n in args.lengths.split(",")]
+        lengths = [min(n, context - 1) for n in asked if n <= context]
+        result["prefill_lengths_beyond_context"] = {"context": context, "lengths": [n for n in asked if n > context]}
+        prefill_section(model_dir, lengths, result)
 
-    if not args.skip_hf:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        h_tokens, h_time, h_out = run_hf(model_dir, ids[: args.num_prompts], args.max_tokens, "bfloat16", 32, pad_id)
-        h_tps = h_tokens / h_time
-        same = sum(a == b for a, b in zip(e_out, h_out))
-        result["offline_128"].update(transformers_tokens_per_s=h_tps, ratio=e_tps / h_tps, identical_greedy=same)
-        print(f"1. transformers bf16, static batches of 32: {h_tps:.1f} tok/s -> ratio {e_tps / h_tps:.2f}x (bar 5.0)")
-        s_tokens, s_time, _ = run_hf(model_dir, ids[:1], args.decode_tokens, "bfloat16", 1, pad_id)
-        s_tps = s_tokens / s_time
-        result["single_decode"].update(transformers_tokens_per_s=s_tps, ratio=d_tps / s_tps)
-        print(f"3. transformers bf16, one request: {s_tps:.1f} tok/s -> ratio {d_tps / s_tps:.2f}x (bar 3.0)")
+    offline, decode = result.setdefault("offline", {}), result.setdefault("decode", {})
+    outputs = {}
+    for path in PATHS:
+        if "offline" in args.skip and "decode" in args.skip:
+            break
+        with cpu_path(path):
+            llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30)
+        ember_generate(llm, ids[:2], 4)  # warm-up
+        if "offline" not in args.skip:
+            tokens, seconds, outputs[path] = ember_generate(llm, ids, args.max_tokens)
+            offline[f"ember_{path}"] = {"tokens_per_s": tokens / seconds, "seconds": seconds,
+                                        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            print(f"2. ember {path} path, {len(ids)} x {args.max_tokens}: {tokens / seconds:.1f} tok/s", flush=True)
+        if "decode" not in args.skip:
+            tokens, seconds, _ = ember_generate(llm, ids[:1], args.decode_tokens)
+            decode[f"ember_{path}"] = {"tokens_per_s": tokens / seconds}
+            print(f"3. ember {path} path, one request x {args.decode_tokens}: {tokens / seconds:.1f} tok/s", flush=True)
+        del llm
 
-    with tempfile.TemporaryDirectory() as work:
-        s = served(model_dir, args.served, args.max_tokens, Path(work), args.plot_dir)
-    http_tps = s["serve"]["output_throughput"]
-    off_tps = s["offline"]["output_throughput"]
-    ttft = s["serve"]["ttft_ms"]
-    result["served"] = {
-        "startup_to_healthy_s": s["startup_to_healthy_s"], "concurrent": args.served,
-        "http_tokens_per_s": http_tps, "offline_tokens_per_s": off_tps, "ratio": http_tps / off_tps,
-        "ttft_ms": ttft, "failed": s["serve"]["num_failed"], "http_result": s["serve"], "offline_result": s["offline"],
-    }
-    print(f"4. ember serve: healthy {s['startup_to_healthy_s']:.1f} s after start (model cached); "
-          f"{args.served} concurrent streams {http_tps:.1f} tok/s vs offline {off_tps:.1f} tok/s -> "
-          f"{http_tps / off_tps:.0%} (bar 85%); TTFT p50 {ttft['p50']:.0f} ms, p99 {ttft['p99']:.0f} ms")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if "offline" not in args.skip:
+        tokens, seconds, hf_out = run_hf(model_dir, ids, args.max_tokens, "bfloat16", 32, pad_id)
+        offline["transformers_static32"] = {"tokens_per_s": tokens / seconds, "seconds": seconds}
+        for path, outs in outputs.items():
+            offline[f"ember_{path}"]["identical_greedy_to_transformers"] = sum(a == b for a, b in zip(outs, hf_out))
+        print(f"2. transformers bf16, static batches of 32: {tokens / seconds:.1f} tok/s; identical greedy outputs: "
+              + ", ".join(f"{p} path {offline[f'ember_{p}']['identical_greedy_to_transformers']}/{len(ids)}"
+                          for p in outputs), flush=True)
+    if "decode" not in args.skip:
+        tokens, seconds, _ = run_hf(model_dir, ids[:1], args.decode_tokens, "bfloat16", 1, pad_id)
+        decode["transformers"] = {"tokens_per_s": tokens / seconds}
+        print(f"3. transformers bf16, one request: {tokens / seconds:.1f} tok/s", flush=True)
+
+    best_vllm = None
+    if vllm_python is not None and not {"offline", "decode"} <= set(args.skip):
+        from peer_vllm import run_vllm_offline
+
+        for setting, reserved0 in (("default", False), ("reserved_cpu_0", True)):
+            runs = [(ids, args.max_tokens), (ids[:1], args.decode_tokens)]
+            res = run_vllm_offline(vllm_python, model_dir, runs, reserved_cpu0=reserved0)
+            if "error" in res:
+                result["vllm"][setting] = res
+                print(f"vLLM ({setting}) failed: {res['error'][-500:]}", flush=True)
+                continue
+            off, one = res["runs"]
+            offline[f"vllm_{setting}"] = {"tokens_per_s": off["tokens_per_s"], "seconds": off["seconds"],
+                                          "env": res["env"]}
+            if "bf16" in outputs:
+                offline[f"vllm_{setting}"]["identical_greedy_to_ember_bf16"] = sum(
+                    a == b for a, b in zip(outputs["bf16"], off["outputs"]))
+            decode[f"vllm_{setting}"] = {"tokens_per_s": one["tokens_per_s"]}
+            print(f"2/3. vLLM ({setting}): offline {off['tokens_per_s']:.1f} tok/s, one request "
+                  f"{one['tokens_per_s']:.1f} tok/s", flush=True)
+            if best_vllm is None or off["tokens_per_s"] > offline[f"vllm_{best_vllm}"]["tokens_per_s"]:
+                best_vllm = setting
+
+    result["ratios"] = ratios = {}
+    for path in PATHS:
+        e_off = offline.get(f"ember_{path}", {}).get("tokens_per_s")
+        e_one = decode.get(f"ember_{path}", {}).get("tokens_per_s")
+        for name, table, value in (("offline", offline, e_off), ("decode", decode, e_one)):
+            if value is None:
+                continue
+            for peer in ("transformers_static32", "transformers", "vllm_default", "vllm_reserved_cpu_0"):
+                if peer in table:
+                    ratios[f"{name}_{path}_over_{peer}"] = value / table[peer]["tokens_per_s"]
+    for key, value in ratios.items():
+        print(f"ratio {key}: {value:.2f}x", flush=True)
+
+    if "served" not in args.skip:
+        concurrencies = [int(n) for n in args.served.split(",")]
+        with tempfile.TemporaryDirectory() as work:
+            result["served"] = {"ember": served(start_ember(model_dir), "ember serve", concurrencies, args.max_tokens,
+                                                Path(work))}
+            if best_vllm is not None:
+                from peer_vllm import start_vllm_server
+
+                reserved0 = best_vllm == "reserved_cpu_0"
+                result["served"][f"vllm_{best_vllm}"] = served(
+                    lambda port, log: start_vllm_server(vllm_python, model_dir, port, reserved0, log),
+                    f"vllm {best_vllm}", concurrencies, args.max_tokens, Path(work))
+        for n in concurrencies:
+            if best_vllm is not None:
+                e = result["served"]["ember"][str(n)]["output_tokens_per_s"]
+                v = result["served"][f"vllm_{best_vllm}"][str(n)]["output_tokens_per_s"]
+                ratios[f"served_{n}_ember_over_vllm"] = e / v
+                print(f"ratio served {n}: ember / vLLM {e / v:.2f}x (bar 1.25)", flush=True)
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

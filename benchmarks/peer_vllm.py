@@ -18,8 +18,8 @@ its success, so a second call returns at once.
 
     python, reason = ensure_vllm_venv()   # (None, why) when vLLM can't run here
     if python:
-        res = run_vllm_offline(python, model_dir, prompt_ids, 128, reserved_cpu0=True)
-        # {"tokens", "seconds", "tokens_per_s", "outputs", "env"} or {"error"}
+        res = run_vllm_offline(python, model_dir, [(prompt_ids, 128)], reserved_cpu0=True)
+        # {"runs": [{"tokens", "seconds", "tokens_per_s", "outputs"}], "env"} or {"error"}
         proc = start_vllm_server(python, model_dir, port, True, log_path)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, 600, log_path)
@@ -178,15 +178,16 @@ def vllm_env(reserved_cpu0: bool) -> dict[str, str]:
     return env
 
 
-def run_vllm_offline(python: Path, model_dir: str, prompt_ids: list[list[int]], max_tokens: int,
+def run_vllm_offline(python: Path, model_dir: str, runs: list[tuple[list[list[int]], int]],
                      reserved_cpu0: bool, timeout_s: float = 3600) -> dict:
-    """Greedy `vllm.LLM.generate` of `max_tokens` tokens (ignore_eos) for each prompt, in a
-    child process of the vLLM venv's `python`: {"tokens", "seconds", "tokens_per_s",
-    "outputs" (token ids per prompt), "env"}, or {"error": ...} with stderr's tail."""
+    """Greedy `vllm.LLM.generate` (ignore_eos) of each run's prompts for its number of new
+    tokens, one after another in one child process of the vLLM venv's `python` (one
+    engine start): {"runs": [{"tokens", "seconds", "tokens_per_s", "outputs" (token ids
+    per prompt)}, ...], "env"}, or {"error": ...} with stderr's tail."""
     env = vllm_env(reserved_cpu0)
     with tempfile.TemporaryDirectory(prefix="ember-vllm-") as work:
         job, out = Path(work) / "job.json", Path(work) / "out.json"
-        job.write_text(json.dumps({"model": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens}))
+        job.write_text(json.dumps({"model": model_dir, "runs": [{"prompt_ids": p, "max_tokens": n} for p, n in runs]}))
         try:
             res = subprocess.run([str(python), str(Path(__file__).resolve()), "--worker", str(job), str(out)],
                                  check=False, env=env, cwd=work, capture_output=True, text=True, timeout=timeout_s)
@@ -208,16 +209,19 @@ def _worker(job_path: Path, out_path: Path) -> None:
 
     job = json.loads(job_path.read_text())
     llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=MAX_MODEL_LEN, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_ids"]]
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    outputs = [list(o.outputs[0].token_ids) for o in outs]
-    tokens = sum(len(o) for o in outputs)
+    results = []
+    for run in job["runs"]:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompt_ids"]]
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=run["max_tokens"], ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        tokens = sum(len(o) for o in outputs)
+        results.append({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs})
     out_path.write_text(json.dumps({
-        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
+        "runs": results,
         "env": {"vllm": vllm.__version__, "torch": torch.__version__, "dtype": "bfloat16",
                 "max_model_len": MAX_MODEL_LEN},
     }))
@@ -286,12 +290,13 @@ def smoke(model_dir: str | None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    res = run_vllm_offline(python, model_dir, ids, 16, reserved_cpu0=True)
+    res = run_vllm_offline(python, model_dir, [(ids, 16)], reserved_cpu0=True)
     if "error" in res:
         print(f"offline run failed: {res['error']}")
         return 1
-    print(f"offline: {res['tokens']} tokens in {res['seconds']:.2f} s = {res['tokens_per_s']:.1f} tok/s; env {res['env']}")
-    print(f"  {texts[0]!r} -> {tokenizer.decode(res['outputs'][0])!r}")
+    run = res["runs"][0]
+    print(f"offline: {run['tokens']} tokens in {run['seconds']:.2f} s = {run['tokens_per_s']:.1f} tok/s; env {res['env']}")
+    print(f"  {texts[0]!r} -> {tokenizer.decode(run['outputs'][0])!r}")
 
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
