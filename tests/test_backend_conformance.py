@@ -37,7 +37,7 @@ class NonCausalPrefill(CPUAttention):
     def forward(self, q, k, v, kv_cache, metadata, scale):
         out = super().forward(q, k, v, kv_cache, metadata, scale)
         for group in metadata.prefills:
-            if group.context_slots is None and group.token_end - group.token_start > 1:
+            if group.cached_slots is None and group.token_end - group.token_start > 1:
                 qs = q[group.token_start : group.token_end].transpose(0, 1)
                 ks = k[group.token_start : group.token_end].transpose(0, 1)
                 vs = v[group.token_start : group.token_end].transpose(0, 1)

@@ -230,3 +230,31 @@ def test_forced_bf16_path_model_matches_transformers_bf16(tmp_path, monkeypatch,
         # the first token comes from one prefill: both in bf16, same numbers to rounding
         assert out.outputs[0].token_ids[0] == want[0, len(prompt)].item()
     assert matched >= len(prompts) - 1, f"{matched}/{len(prompts)} greedy continuations equal transformers bf16"
+
+
+# --- prefill attention after a cached context --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("flash", [True, False])
+def test_a_chunk_after_its_context_attends_as_one_causal_product(monkeypatch, dtype, heads, kv_heads, flash):
+    """The context part (seen whole) and the chunk part (causal) merged by their
+    log-sum-exps equal one causal product over context + chunk, in float64."""
+    from ember.hardware import cpu
+
+    if not flash:
+        monkeypatch.setattr(cpu, "_FLASH", None)  # a torch without the CPU flash op
+    torch.manual_seed(heads + kv_heads)
+    n_ctx, n_new, dim = 37, 11, 16
+    q = torch.randn(1, heads, n_new, dim)
+    k, v = torch.randn(1, kv_heads, n_ctx + n_new, dim), torch.randn(1, kv_heads, n_ctx + n_new, dim)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    got = cpu._attend_after_context(q, k[:, :, :n_ctx], v[:, :, :n_ctx], k[:, :, n_ctx:], v[:, :, n_ctx:], 0.3,
+                                    heads != kv_heads)
+    mask = torch.ones(n_new, n_ctx + n_new, dtype=torch.bool).tril(diagonal=n_ctx)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                          enable_gqa=True)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the two parts and the merge each round once
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
