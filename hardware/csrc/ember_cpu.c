@@ -190,11 +190,29 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
  * a KV head), Hq * D <= 16384.
  *
  * One task per request streams its blocks once, in memory order: a block holds
- * block_size whole rows of all KV heads, so K and V are read sequentially (reading
- * one head's rows at a time, strided, ran at a third of the bandwidth). Each key
- * row's G dot products run side by side (independent FMA chains); each value row is
- * loaded once and added into the G outputs of its head, which stay in L1. */
-#define GROUP_CHUNK 8
+ * block_size whole rows of all KV heads, so K and V come from memory sequentially
+ * (reading one head's rows at a time over the whole context, strided, ran at a third
+ * of the bandwidth), and every head works on the block while it is in L1.
+ * - Scores: per query head, 8 keys at a time, one FMA chain per key over D, reduced
+ *   together by a tree of horizontal adds (reducing each score alone cost more than
+ *   its dot product).
+ * - Values: per query head, 64 dimensions of its output held in registers across the
+ *   block's rows, loaded and stored once per block (once per row before).
+ * At 128 requests x 180 tokens (SmolLM2's heads, bf16) a layer went from 1.59 to about
+ * 1.1 ms with the cache in L3. */
+/* prefetch `bytes` from p into L1, a cache line at a time */
+static inline void prefetch(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+static inline __m256 hsum8(const __m256 a[8]) {
+    /* [sum a0, sum a1, ..., sum a7] */
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
 
 INLINE void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                                    const int64_t *block_tables, const int64_t *context_lens, void *out,
@@ -222,24 +240,35 @@ INLINE void paged_decode_attention(const void *q, const void *k_cache, const voi
                 capacity = Hq * L * 2;
                 scores = (float *)malloc(sizeof(float) * capacity);
             }
+            const int64_t esize = bf16 ? 2 : 4;
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
-                for (int64_t j = 0; j < n_t; ++j) {
-                    for (int64_t h = 0; h < Hkv; ++h) {
-                        const int64_t k = block + j * row + h * D;
-                        for (int64_t g0 = 0; g0 < G; g0 += GROUP_CHUNK) {
-                            const int64_t n = G - g0 < GROUP_CHUNK ? G - g0 : GROUP_CHUNK;
-                            const float *qh = qb + (h * G + g0) * D;
-                            __m256 a[GROUP_CHUNK];
-                            for (int64_t g = 0; g < n; ++g) a[g] = _mm256_setzero_ps();
-                            for (int64_t d = 0; d < D; d += 8) {
-                                __m256 kv = ld8(k_cache, k + d, bf16);
-                                for (int64_t g = 0; g < n; ++g)
-                                    a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + d), kv, a[g]);
-                            }
-                            for (int64_t g = 0; g < n; ++g) scores[(h * G + g0 + g) * L + t0 + j] = hsum(a[g]) * scale;
+                /* the next block's keys, a share per head: blocks lie anywhere in the pool */
+                const char *next = t0 + block_size < L
+                    ? (const char *)k_cache + table[t0 / block_size + 1] * block_size * row * esize : NULL;
+                const int64_t share = (block_size * row * esize / 64 + Hq - 1) / Hq * 64;
+                for (int64_t hq = 0; hq < Hq; ++hq) {
+                    if (next) prefetch(next + hq * share, share);
+                    const float *qh = qb + hq * D;
+                    const int64_t k = block + (hq / G) * D;
+                    float *s = scores + hq * L + t0;
+                    int64_t j = 0;
+                    for (; j + 8 <= n_t; j += 8) {
+                        __m256 a[8];
+                        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+                        for (int64_t d = 0; d < D; d += 8) {
+                            const __m256 qv = _mm256_loadu_ps(qh + d);
+                            for (int i = 0; i < 8; ++i)
+                                a[i] = _mm256_fmadd_ps(qv, ld8(k_cache, k + (j + i) * row + d, bf16), a[i]);
                         }
+                        _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+                    }
+                    for (; j < n_t; ++j) {
+                        __m256 a = _mm256_setzero_ps();
+                        for (int64_t d = 0; d < D; d += 8)
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), ld8(k_cache, k + j * row + d, bf16), a);
+                        s[j] = hsum(a) * scale;
                     }
                 }
             }
@@ -253,23 +282,29 @@ INLINE void paged_decode_attention(const void *q, const void *k_cache, const voi
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
-                for (int64_t j = 0; j < n_t; ++j) {
-                    for (int64_t h = 0; h < Hkv; ++h) {
-                        const int64_t v = block + j * row + h * D;
-                        for (int64_t d = 0; d < D; d += 8) {
-                            __m256 vv = ld8(v_cache, v + d, bf16);
-                            for (int64_t g = 0; g < G; ++g) {
-                                const int64_t hq = h * G + g;
-                                float *a = acc + hq * D + d;
-                                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[hq * L + t0 + j]), vv,
-                                                                    _mm256_loadu_ps(a)));
-                            }
+                const char *next = t0 + block_size < L
+                    ? (const char *)v_cache + table[t0 / block_size + 1] * block_size * row * esize : NULL;
+                const int64_t share = (block_size * row * esize / 64 + Hq - 1) / Hq * 64;
+                for (int64_t hq = 0; hq < Hq; ++hq) {
+                    if (next) prefetch(next + hq * share, share);
+                    const float *s = scores + hq * L + t0;
+                    const int64_t v = block + (hq / G) * D;
+                    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                        const int64_t n = D - d0 < 64 ? (D - d0) / 8 : 8;
+                        float *o = acc + hq * D + d0;
+                        __m256 a[8];
+                        for (int i = 0; i < n; ++i) a[i] = _mm256_loadu_ps(o + 8 * i);
+                        for (int64_t j = 0; j < n_t; ++j) {
+                            const __m256 p = _mm256_set1_ps(s[j]);
+                            for (int i = 0; i < n; ++i)
+                                a[i] = _mm256_fmadd_ps(p, ld8(v_cache, v + j * row + d0 + 8 * i, bf16), a[i]);
                         }
+                        for (int i = 0; i < n; ++i) _mm256_storeu_ps(o + 8 * i, a[i]);
                     }
                 }
             }
             for (int64_t hq = 0; hq < Hq; ++hq) {
-                __m256 iv = _mm256_set1_ps(inv[hq]);
+                const __m256 iv = _mm256_set1_ps(inv[hq]);
                 for (int64_t d = 0; d < D; d += 8)
                     st8(out, (b * Hq + hq) * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + hq * D + d), iv), bf16);
             }
