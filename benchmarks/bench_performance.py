@@ -22,7 +22,8 @@ figures are absent and transformers is the baseline. Prints the figures and writ
 JSON with lscpu's model name and flags.
 
     python benchmarks/bench_performance.py [--with-vllm] [--out benchmarks/results/performance.json]
-        [--skip SECTION ...] [--lengths 512,2048,4096,8192,16384] [--served 64,128]
+        [--skip SECTION ...] [--lengths 512,2048,4096,8192,16384] [--served 64,128] [--plot-dir DIR]
+    python benchmarks/bench_performance.py --replot RESULT_JSON --plot-dir DIR
 """
 
 from __future__ import annotations
@@ -169,6 +170,60 @@ def prefill_section(model_dir: str, lengths: list[int], result: dict) -> None:
         del llm
 
 
+def plot(result: dict, plot_dir: Path) -> list[Path]:
+    """Bar charts of one result: tok/s per system for offline, batch-1 decode and the
+    served loads, and Ember's prefill ratio to transformers by prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    title = f"SmolLM2-135M bf16, {result['cpu']} ({', '.join(result['flags'])}), {result['cores']} cores"
+    panels = [("offline 128 x 128", result.get("offline", {})), ("one request x 256", result.get("decode", {}))]
+    for n, runs in sorted(((k, v) for k, v in _served_by_load(result).items()), key=lambda kv: int(kv[0])):
+        panels.append((f"served, {n} streams", runs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for ax, (name, runs) in zip(axes[0], panels):
+        labels = [k for k, v in runs.items() if isinstance(v, dict) and "tokens_per_s" in v]
+        ax.bar(range(len(labels)), [runs[k]["tokens_per_s"] for k in labels],
+               color=["tab:orange" if k.startswith("ember") else "tab:gray" for k in labels])
+        ax.set_xticks(range(len(labels)), [k.replace("_", "\n", 1) for k in labels], fontsize=8)
+        ax.set_title(name)
+        ax.set_ylabel("output tok/s")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    paths = [plot_dir / "throughput.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    if result.get("prefill"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for path, rows in result["prefill"].items():
+            lengths = [int(n) for n in rows if n.isdigit()]
+            ax.plot(lengths, [rows[str(n)]["ratio"] for n in lengths], marker="o", label=f"{path} path")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("Ember prefill / transformers forward")
+        ax.legend()
+        ax.set_title(title, fontsize=8)
+        fig.tight_layout()
+        paths.append(plot_dir / "prefill.png")
+        fig.savefig(paths[1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _served_by_load(result: dict) -> dict[str, dict]:
+    """{concurrency: {server: {"tokens_per_s"}}} from result["served"]."""
+    loads: dict[str, dict] = {}
+    for server, runs in result.get("served", {}).items():
+        for n, run in runs.items():
+            if n.isdigit():
+                loads.setdefault(n, {})[server] = {"tokens_per_s": run["output_tokens_per_s"]}
+    return loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "performance.json"))
@@ -179,7 +234,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--lengths", default="512,2048,4096,8192,16384", help="prefill lengths (within the context)")
     parser.add_argument("--served", default="64,128", help="concurrent streams of the served runs")
+    parser.add_argument("--plot-dir", default=None, help="bar charts of the figures (PNG)")
+    parser.add_argument("--replot", default=None, metavar="RESULT_JSON", help="only plot a saved result")
     args = parser.parse_args()
+    if args.replot:
+        for path in plot(json.loads(Path(args.replot).read_text()), Path(args.plot_dir or ".")):
+            print(f"wrote {path}")
+        return
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -304,6 +365,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    if args.plot_dir:
+        for path in plot(result, Path(args.plot_dir)):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
