@@ -1,8 +1,15 @@
-"""Native kernels the CPU backend compiles for the machine it runs on.
+"""Native kernels the CPU backend compiles for the machine it runs on, and the matrix
+products (``linear_op``) of its two paths built on them and on oneDNN.
 
 * ``gemv_bf16``: few-row linear over bfloat16 weights (decode of a small batch).
 * ``paged_decode_attention``: decode attention read in place from the paged KV cache.
+* ``rms_norm``, ``rope_``, ``silu_mul``: fused layer ops.
 * ``greedy``: argmax and its log-probability per row of logits.
+* ``onednn_linear``, ``SmallBatchLinear`` (fp32 path) and ``PackedLinear`` (bf16
+  path): see ``ember.hardware.cpu_paths``.
+
+All but greedy take float32 or bfloat16 tensors (the bf16 path's); the bf16 ones
+compute in float32 and round where PyTorch's bf16 ops round.
 
 PyTorch has no fast product of float32 activations with bfloat16 weights on CPUs
 without AVX512-BF16/AMX: a few-row ("GEMV") product then either reads float32
