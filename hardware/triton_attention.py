@@ -1,0 +1,149 @@
+"""Paged attention and KV-cache writes in Triton: one source for the GPU backends
+(NVIDIA, AMD and Intel GPUs all run Triton), tested on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported).
+
+``TritonAttention`` implements ``ember.backend.BaseAttention`` for any step: prompts,
+chunks of prompts after a cached context, decodes, and all of them mixed in one flat
+batch. Two kernels:
+
+- ``_write_kv``: each of the step's tokens writes its K and V row (all KV heads) into
+  the paged cache at its slot (``slot_mapping``); a negative slot (a padded token) is
+  skipped.
+- ``_paged_attention``: one program per (query token, query head). It walks the
+  token's context, ``BLOCK_N`` positions at a time, through its request's block
+  table, reading K and V where they lie in the cache, and keeps an online softmax
+  (running maximum and sum, FlashAttention's recurrence) in float32. A token at
+  position ``p`` sees positions ``0 .. p`` of its request: causal within a prompt
+  chunk, the whole cached context before it. GQA: query head ``h`` reads KV head
+  ``h // (num_heads // num_kv_heads)``.
+
+Each query token reads its context once per head, so long prompts re-read keys once
+per query token; a tiled prefill kernel (several query tokens per program) is the
+next step for speed on GPUs. The numbers do not depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from ember.backend import AttentionBatch, BaseAttention
+
+
+@triton.jit
+def _write_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_k, stride_v,  # elements between consecutive tokens of k and v (rows of a fused qkv)
+    ROW: tl.constexpr,  # num_kv_heads * head_dim: one token's row in the cache
+    BLOCK_ROW: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK_ROW)
+        mask = offs < ROW
+        k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
+        v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, token_request_ptr, token_position_ptr,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
+    scale,
+    GROUP: tl.constexpr,  # query heads per KV head
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # context positions per iteration
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    request = tl.load(token_request_ptr + token)
+    position = tl.load(token_position_ptr + token)  # sees positions 0 .. position
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_q_token + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
+
+    m_i = tl.full((1,), float("-inf"), tl.float32)  # running maximum of the scores
+    l_i = tl.zeros((1,), tl.float32)  # running sum of exp(score - m_i)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for start in range(0, position + 1, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n <= position
+        block = tl.load(block_table_ptr + request * stride_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        rows = (block * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
+        scores = tl.where(n_mask, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(out_ptr + token * stride_o_token + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    block_table: torch.Tensor  # (num_requests, max_blocks) int64
+    token_request: torch.Tensor  # (num_tokens,) int32: the request of each flat token
+    token_position: torch.Tensor  # (num_tokens,) int64: its position in its request
+    block_size: int
+
+
+class TritonAttention(BaseAttention):
+    """``BaseAttention`` over Triton kernels, for any device Triton runs on (and CPU
+    tensors under ``TRITON_INTERPRET=1``). ``block_n``: context positions a program
+    reads per iteration."""
+
+    def __init__(self, block_n: int = 32) -> None:
+        self.block_n = block_n
+
+    def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        device = batch.device
+        lens = torch.tensor(batch.query_lens, dtype=torch.int64, device=device)
+        starts = torch.tensor(batch.start_positions, dtype=torch.int64, device=device)
+        token_request = torch.repeat_interleave(torch.arange(len(batch.query_lens), device=device), lens)
+        # position of each token: its request's start plus its offset among the request's new tokens
+        offsets = torch.arange(int(lens.sum()), device=device) - batch.query_start_loc[:-1].repeat_interleave(lens)
+        return TritonAttentionMetadata(
+            batch.slot_mapping, batch.block_table.contiguous(), token_request.to(torch.int32),
+            starts.repeat_interleave(lens) + offsets, batch.block_size,
+        )
+
+    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        if k.stride(2) != 1 or k.stride(1) != head_dim or v.stride(2) != 1 or v.stride(1) != head_dim:
+            k, v = k.contiguous(), v.contiguous()
+        row = num_kv_heads * head_dim
+        if num_tokens:
+            _write_kv[(num_tokens,)](
+                k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, k.stride(0), v.stride(0),
+                ROW=row, BLOCK_ROW=triton.next_power_of_2(row),
+            )
+        out = torch.empty_like(q)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if num_tokens:
+            _paged_attention[(num_tokens, num_heads)](
+                out, q, kv_cache[0], kv_cache[1], metadata.block_table, metadata.token_request,
+                metadata.token_position, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                metadata.block_table.stride(0), scale,
+                GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
+            )
+        return out
