@@ -163,6 +163,9 @@ def run_plugins(args: argparse.Namespace) -> int:
         ]
         for kind, registry in pm.registries.all().items()
     }
+    for entry in registries.get("backends", []):  # whether this machine can run each, and why not
+        reason = pm.registries.backends.get(entry["name"]).unavailable_reason()
+        entry.update(available=reason is None, unavailable_reason=reason)
     if args.json:
         payload = {"entry_point_group": ENTRY_POINT_GROUP, "plugins": plugins, "registries": registries}
         print(json.dumps(payload, indent=2))
@@ -179,6 +182,11 @@ def run_plugins(args: argparse.Namespace) -> int:
         for entry in entries:
             rows.append([kind, entry["name"], entry["plugin"], entry["implementation"]])
     print(_table(["KIND", "NAME", "PLUGIN", "IMPLEMENTATION"], rows))
+    print()
+    print("backends on this machine:")
+    rows = [[b["name"], "available" if b["available"] else f"unavailable: {b['unavailable_reason']}"]
+            for b in registries.get("backends", [])]
+    print(_table(["NAME", "STATUS"], rows) if rows else "  (none)")
     return 0
 
 

@@ -143,6 +143,14 @@ class BaseBackend(ABC):
     def is_available(cls) -> bool:
         """Whether this machine has the device (and its vendor library)."""
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this machine cannot run the backend (a missing vendor library, no
+        device visible, ...), or None when it can: ``ember plugins`` shows it, and
+        asking for the backend by name fails with it. Never raises. Default: a
+        generic reason whenever ``is_available()`` is False."""
+        return None if cls.is_available() else "not available on this machine"
+
     @property
     @abstractmethod
     def device(self) -> torch.device:
@@ -245,7 +253,7 @@ def select_backend(registry, name: str | None) -> BaseBackend:
     if name is not None:
         cls = registry.get(name)
         if not cls.is_available():
-            raise ValueError(f"backend {name!r} is not available on this machine")
+            raise ValueError(f"backend {name!r} is not available on this machine: {cls.unavailable_reason()}")
         return cls()
     available = [cls for _, cls in registry.items() if cls.is_available()]
     if not available:

@@ -344,14 +344,15 @@ def test_plugins_json_and_disable(capsys, monkeypatch):
     assert set(data["registries"]) == {
         "backends", "model_architectures", "logits_processors", "quantizers", "speculators", "grammar_backends",
     }
-    assert {"name": "cpu", "plugin": "cpu", "implementation": "ember.hardware.cpu.CPUBackend"} in data["registries"]["backends"]
+    assert {"name": "cpu", "plugin": "cpu", "implementation": "ember.hardware.cpu.CPUBackend", "available": True,
+            "unavailable_reason": None} in data["registries"]["backends"]
     assert "LlamaForCausalLM" not in [e["name"] for e in data["registries"]["model_architectures"]]
 
     monkeypatch.setenv("EMBER_DISABLE_PLUGIN", "cpu, llama")
     assert main(["plugins", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {p["name"]: p["status"] for p in data["plugins"]}.items() >= {"cpu": "blocked", "llama": "blocked"}.items()
-    assert data["registries"]["backends"] == []
+    assert "cpu" not in [b["name"] for b in data["registries"]["backends"]]  # the device backends remain
 
 
 def test_installed_console_script_runs():

@@ -1,0 +1,50 @@
+"""Intel Gaudi, through its PyTorch bridge (``habana_frameworks.torch``), whose ``hpu``
+device module documents is_available, synchronize, memory_stats,
+reset_peak_memory_stats, memory_allocated and max_memory_allocated. Everything but
+the device checks and the memory query lives in ``ember.hardware.torch_device``.
+Written against Intel's documentation; no Gaudi has run it."""
+
+from __future__ import annotations
+
+import importlib
+
+from ember.hardware.torch_device import TorchDeviceBackend
+from ember.plugin import hookimpl
+
+
+def _hpu():
+    """``habana_frameworks.torch.hpu``, importing the bridge (which registers the
+    ``hpu`` device with torch); ImportError where it is not installed."""
+    importlib.import_module("habana_frameworks.torch.core")
+    return importlib.import_module("habana_frameworks.torch.hpu")
+
+
+class GaudiBackend(TorchDeviceBackend):
+    name = "gaudi"
+    device_type = "hpu"
+
+    @classmethod
+    def device_module(cls):
+        return _hpu()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            hpu = _hpu()
+        except ImportError as exc:
+            return f"Intel Gaudi's PyTorch bridge (habana_frameworks.torch) is not installed ({exc})"
+        if not hpu.is_available():
+            return "no Gaudi device is visible (habana_frameworks.torch.hpu.is_available() is False)"
+        return None
+
+    def memory_info(self) -> tuple[int, int]:
+        stats = self.device_module().memory_stats(self.device)  # "Limit": usable bytes, "InUse"
+        return stats["Limit"] - stats["InUse"], stats["Limit"]
+
+    def synchronize(self) -> None:
+        self.device_module().synchronize()
+
+
+@hookimpl
+def ember_register_backends(registry) -> None:
+    registry.register("gaudi", GaudiBackend)

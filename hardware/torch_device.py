@@ -1,0 +1,110 @@
+"""What Ember's accelerator backends share, written once against PyTorch's device
+APIs: the device, dtypes, memory accounting and KV sizing, peak-memory profiling,
+synchronization and the attention (Triton). Each vendor file (``cuda``, ``rocm``,
+``xpu``, ``gaudi``) says only which torch device module it drives and why it is
+unavailable on a machine without its device.
+
+The device module is ``torch.cuda`` (NVIDIA, and AMD under PyTorch's HIP build),
+``torch.xpu`` (Intel GPUs) or ``habana_frameworks.torch.hpu`` (Intel Gaudi); each
+documents ``is_available``, ``device_count``, ``synchronize``,
+``reset_peak_memory_stats``, ``memory_allocated`` and ``max_memory_allocated``, and
+``mem_get_info`` (free, total) where the device has it (Gaudi reports its total in
+``memory_stats``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from ember.backend import BaseAttention, BaseBackend
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16,
+}
+# EMBER_GPU_MEMORY_UTILIZATION: the share of the device's memory Ember may fill
+# (weights, activations and the KV cache together), as vLLM's --gpu-memory-utilization
+DEFAULT_MEMORY_UTILIZATION = 0.9
+
+
+def kv_budget_bytes(free: int, total: int, utilization: float, activation_bytes: int) -> int:
+    """The KV cache's share of a device with ``free`` of ``total`` bytes free once the
+    weights are loaded: ``utilization * total`` minus what is in use (weights, other
+    processes) minus the profiled activation peak; 0 when nothing is left."""
+    in_use = total - free
+    return max(0, int(total * utilization) - in_use - activation_bytes)
+
+
+class TorchDeviceBackend(BaseBackend):
+    """An accelerator driven through a torch device module. Subclasses set
+    ``device_type`` and implement ``device_module`` and ``unavailable_reason``.
+    Construction touches no device (the contract), so tests build one anywhere."""
+
+    device_type: ClassVar[str]
+    priority = 10  # over the CPU backend when available
+
+    @classmethod
+    def device_module(cls) -> Any:
+        """The torch module driving this device (``torch.cuda``, ``torch.xpu``, ...)."""
+        raise NotImplementedError
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        raise NotImplementedError
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            return cls.unavailable_reason() is None
+        except Exception:  # is_available never raises (the contract)
+            return False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type, int(os.environ.get("EMBER_DEVICE_INDEX", "0")))
+
+    @property
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16, torch.float32)
+
+    def resolve_dtype(self, requested: str, model_dtype: torch.dtype | None) -> torch.dtype:
+        if requested == "auto":  # the checkpoint's half-precision dtype, else bf16
+            return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        dtype = _DTYPES.get(requested)
+        if dtype is None:
+            raise ValueError(
+                f"dtype {requested!r} is not supported by the {self.name} backend; "
+                f"choose one of: auto, {', '.join(sorted(_DTYPES))}"
+            )
+        return dtype
+
+    def kv_cache_memory_bytes(self, model_bytes: int, activation_bytes: int = 0) -> int:
+        free, total = self.memory_info()
+        utilization = float(os.environ.get("EMBER_GPU_MEMORY_UTILIZATION", DEFAULT_MEMORY_UTILIZATION))
+        if not 0 < utilization <= 1:
+            raise ValueError(f"EMBER_GPU_MEMORY_UTILIZATION must lie in (0, 1], got {utilization}")
+        return kv_budget_bytes(free, total, utilization, activation_bytes)
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of this backend's device."""
+        return self.device_module().mem_get_info(self.device)
+
+    def peak_memory_of(self, run) -> int | None:
+        module = self.device_module()
+        self.synchronize()
+        module.reset_peak_memory_stats(self.device)
+        before = module.memory_allocated(self.device)
+        run()
+        self.synchronize()
+        return max(0, module.max_memory_allocated(self.device) - before)
+
+    def synchronize(self) -> None:
+        self.device_module().synchronize(self.device)
+
+    def create_attention(self) -> BaseAttention:
+        from ember.hardware.triton_attention import TritonAttention
+
+        return TritonAttention()

@@ -1,0 +1,98 @@
+"""The accelerator backends (cuda, rocm, xpu, gaudi) as plugins on a machine without
+their devices: registered through the `ember` entry points like `cpu`, each saying
+why it is unavailable, never chosen, refused by name with the reason; and the parts
+of their shared base (ember.hardware.torch_device) that need no device: dtype
+resolution, the KV budget arithmetic and the attention they run (the Triton kernels,
+tested under the interpreter in test_triton_attention.py). Nothing here stands in
+for a device: what needs one is run by benchmarks/device_check.py on a lent GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember.backend import select_backend
+from ember.hardware.torch_device import TorchDeviceBackend, kv_budget_bytes
+from ember.plugin import create_plugin_manager
+
+DEVICE_BACKENDS = ("cuda", "rocm", "xpu", "gaudi")
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return create_plugin_manager().registries.backends
+
+
+@pytest.mark.parametrize("name", DEVICE_BACKENDS)
+def test_each_device_backend_is_a_registered_plugin_that_says_why_it_is_unavailable(backends, name):
+    cls = backends.get(name)
+    assert issubclass(cls, TorchDeviceBackend) and cls.name == name
+    if torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        pytest.skip("this machine has a GPU: the unavailable case is not what it shows")
+    reason = cls.unavailable_reason()
+    assert not cls.is_available() and isinstance(reason, str) and reason
+    with pytest.raises(ValueError, match=f"backend '{name}' is not available on this machine: .*"):
+        select_backend(backends, name)
+
+
+def test_the_reasons_name_what_is_missing_on_a_cpu_torch(backends):
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        pytest.skip("this torch is a GPU build")
+    assert backends.get("cuda").unavailable_reason() == f"this torch ({torch.__version__}) is not built with CUDA"
+    assert backends.get("rocm").unavailable_reason() == f"this torch ({torch.__version__}) is not a ROCm (HIP) build"
+    assert "Intel Gaudi's PyTorch bridge (habana_frameworks.torch) is not installed" in (
+        backends.get("gaudi").unavailable_reason()
+    )
+    assert select_backend(backends, None).name == "cpu"  # the only one available here
+
+
+def test_ember_plugins_lists_the_backends_with_their_status(capsys):
+    from ember.api.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    status = {b["name"]: b for b in payload["registries"]["backends"]}
+    assert set(DEVICE_BACKENDS) | {"cpu"} <= set(status)
+    assert status["cpu"]["available"] is True and status["cpu"]["unavailable_reason"] is None
+    for name in DEVICE_BACKENDS:
+        assert status[name]["available"] == (status[name]["unavailable_reason"] is None)
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert "backends on this machine:" in text
+    for name in DEVICE_BACKENDS:
+        reason = status[name]["unavailable_reason"]
+        assert (f"unavailable: {reason}" if reason else "available") in text
+
+
+@pytest.mark.parametrize(
+    "requested,model_dtype,want",
+    [
+        ("auto", torch.float16, torch.float16),
+        ("auto", torch.bfloat16, torch.bfloat16),
+        ("auto", torch.float32, torch.bfloat16),  # a float32 checkpoint runs in bf16 on a GPU
+        ("auto", None, torch.bfloat16),
+        ("float32", torch.bfloat16, torch.float32),
+        ("half", None, torch.float16),
+    ],
+)
+def test_device_backends_resolve_dtypes_as_gpu_servers_do(backends, requested, model_dtype, want):
+    backend = backends.get("cuda")()  # construction touches no device (the backend contract)
+    assert backend.resolve_dtype(requested, model_dtype) == want
+    with pytest.raises(ValueError, match="dtype 'int4' is not supported by the cuda backend"):
+        backend.resolve_dtype("int4", None)
+
+
+def test_kv_budget_is_the_utilization_share_minus_what_is_in_use_and_the_activations():
+    gib = 1 << 30
+    # 80 GiB device, 70 free after the weights (10 in use), 90% usable, 2 GiB activation peak
+    assert kv_budget_bytes(70 * gib, 80 * gib, 0.9, 2 * gib) == int(72 * gib) - 10 * gib - 2 * gib
+    assert kv_budget_bytes(1 * gib, 80 * gib, 0.9, 0) == 0  # another process holds the device
+
+
+def test_device_backends_run_the_triton_attention(backends):
+    from ember.hardware.triton_attention import TritonAttention
+
+    for name in DEVICE_BACKENDS:
+        assert isinstance(backends.get(name)().create_attention(), TritonAttention)
