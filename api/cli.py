@@ -26,7 +26,15 @@ from ember.api.cli_env import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, LOG_LEVELS, PROG, UsageError, apply_defaults,
     parse_names, parse_size_option,
 )
-from ember.api.commands import print_error, run_download, run_generate, run_plugins, run_serve, run_watermark_detect
+from ember.api.commands import (
+    print_error,
+    run_backends_check,
+    run_download,
+    run_generate,
+    run_plugins,
+    run_serve,
+    run_watermark_detect,
+)
 
 # -- parser ------------------------------------------------------------------------------------
 
@@ -250,6 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_arguments(plugins, with_required=False)
     plugins.add_argument("--json", action="store_true", default=None, help="machine-readable output")
     plugins.set_defaults(handler=run_plugins)
+
+    backends = commands.add_parser("backends", parents=[common], help="check a hardware backend")
+    backend_commands = backends.add_subparsers(dest="backends_command", metavar="COMMAND", required=True)
+    check = backend_commands.add_parser(
+        "check", parents=[common], help="run the backend conformance kit against a registered backend",
+        description="The conformance kit of ember.testing against the backend NAME: its contract, attention "
+        "against a float64 reference in each dtype it supports (and no cache write outside a step's slots), then "
+        "a tiny random Llama whose greedy tokens must equal the CPU backend's.",
+    )
+    check.add_argument("name", metavar="NAME", help="a backend name (ember plugins lists them)")
+    check.add_argument("--interpret", action="store_true", default=None,
+                       help="run a Triton backend's kernels on CPU tensors under Triton's interpreter")
+    _add_plugin_arguments(check, with_required=False)
+    check.set_defaults(handler=run_backends_check)
 
     from ember.api.bench.cli import add_bench_parser  # `ember bench`: its own package
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from ember.api.cli_env import PROG
@@ -187,6 +188,48 @@ def run_plugins(args: argparse.Namespace) -> int:
     rows = [[b["name"], "available" if b["available"] else f"unavailable: {b['unavailable_reason']}"]
             for b in registries.get("backends", [])]
     print(_table(["NAME", "STATUS"], rows) if rows else "  (none)")
+    return 0
+
+
+def run_backends_check(args: argparse.Namespace) -> int:
+    """`ember backends check NAME [--interpret]`: the conformance kit, then the
+    end-to-end tiny-model check against the CPU backend."""
+    if args.interpret:  # before any Triton kernel is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    import tempfile
+    import unittest
+
+    from ember.plugin import create_plugin_manager
+    from ember.testing import check_backend, check_end_to_end
+
+    registry = create_plugin_manager(disabled=args.disable_plugin).registries.backends
+    if args.name not in registry.names():
+        print_error(f"no backend named {args.name!r}; registered: {', '.join(registry.names())}")
+        return 2
+    cls = registry.get(args.name)
+    if args.interpret:
+        from ember.hardware.torch_device import TorchDeviceBackend
+
+        if not (issubclass(cls, TorchDeviceBackend) and cls.uses_triton):
+            print_error(f"--interpret runs the Triton kernels of a device backend; {args.name!r} has none")
+            return 2
+        cls = cls.interpreted()
+    elif not cls.is_available():
+        print_error(f"backend {args.name!r} is not available on this machine: {cls.unavailable_reason()}")
+        return 1
+    where = " (Triton interpreter, CPU tensors)" if args.interpret else ""
+    try:
+        check_backend(cls)
+        print(f"{args.name}{where}: contract and attention conformance passed")
+        with tempfile.TemporaryDirectory(prefix="ember-backend-check-") as work:
+            check_end_to_end(cls, work)
+        print(f"{args.name}{where}: greedy tokens on a tiny Llama equal the CPU backend's")
+    except unittest.SkipTest as exc:
+        print_error(str(exc))
+        return 1
+    except AssertionError as exc:
+        print_error(f"{args.name}{where}: {exc}")
+        return 1
     return 0
 
 

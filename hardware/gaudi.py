@@ -22,6 +22,7 @@ def _hpu():
 class GaudiBackend(TorchDeviceBackend):
     name = "gaudi"
     device_type = "hpu"
+    uses_triton = False  # Gaudi has no Triton: PyTorch's attention ops, lowered by the bridge
 
     @classmethod
     def device_module(cls):

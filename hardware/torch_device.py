@@ -28,6 +28,7 @@ _DTYPES = {
 # EMBER_GPU_MEMORY_UTILIZATION: the share of the device's memory Ember may fill
 # (weights, activations and the KV cache together), as vLLM's --gpu-memory-utilization
 DEFAULT_MEMORY_UTILIZATION = 0.9
+INTERPRETED_MEMORY = 1 << 30  # the device an interpreted backend (checks only) pretends to have
 
 
 def kv_budget_bytes(free: int, total: int, utilization: float, activation_bytes: int) -> int:
@@ -45,6 +46,8 @@ class TorchDeviceBackend(BaseBackend):
 
     device_type: ClassVar[str]
     priority = 10  # over the CPU backend when available
+    #: attention by the Triton kernels (GPUs); False: PyTorch's ops (Gaudi runs no Triton)
+    uses_triton: ClassVar[bool] = True
 
     @classmethod
     def device_module(cls) -> Any:
@@ -105,6 +108,29 @@ class TorchDeviceBackend(BaseBackend):
         self.device_module().synchronize(self.device)
 
     def create_attention(self) -> BaseAttention:
+        if not self.uses_triton:
+            # PyTorch's ops only: the CPU backend's reference attention without its
+            # native kernels (index_copy_ into the cache, gather, SDPA) is device-agnostic
+            from ember.hardware.cpu import CPUAttention
+
+            return CPUAttention(None)
         from ember.hardware.triton_attention import TritonAttention
 
         return TritonAttention()
+
+    @classmethod
+    def interpreted(cls) -> type[TorchDeviceBackend]:
+        """This backend on CPU tensors, its Triton kernels run by Triton's interpreter:
+        what a machine without the device can check of it (``ember backends check
+        NAME --interpret``). ``TRITON_INTERPRET=1`` must be set before the kernels are
+        first imported. It sizes its KV pool as a device of ``INTERPRETED_MEMORY``."""
+        return type(f"{cls.__name__}Interpreted", (cls,), {
+            "__doc__": f"{cls.__name__} on CPU tensors under Triton's interpreter.",
+            "is_available": classmethod(lambda c: True),
+            "unavailable_reason": classmethod(lambda c: None),
+            "device": property(lambda self: torch.device("cpu")),
+            "memory_info": lambda self: (INTERPRETED_MEMORY, INTERPRETED_MEMORY),
+            "peak_memory_of": BaseBackend.peak_memory_of,
+            "synchronize": lambda self: None,
+            "describe": lambda self: f"{cls.name} (cpu tensors, Triton interpreter)",
+        })

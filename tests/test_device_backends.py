@@ -9,6 +9,9 @@ for a device: what needs one is run by benchmarks/device_check.py on a lent GPU.
 from __future__ import annotations
 
 import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU here
 
 import pytest
 import torch
@@ -91,8 +94,51 @@ def test_kv_budget_is_the_utilization_share_minus_what_is_in_use_and_the_activat
     assert kv_budget_bytes(1 * gib, 80 * gib, 0.9, 0) == 0  # another process holds the device
 
 
-def test_device_backends_run_the_triton_attention(backends):
+def test_gpu_backends_run_the_triton_attention_and_gaudi_pytorchs(backends):
+    from ember.hardware.cpu import CPUAttention
     from ember.hardware.triton_attention import TritonAttention
 
-    for name in DEVICE_BACKENDS:
+    for name in ("cuda", "rocm", "xpu"):
         assert isinstance(backends.get(name)().create_attention(), TritonAttention)
+    attention = backends.get("gaudi")().create_attention()
+    assert isinstance(attention, CPUAttention) and attention.kernels is None
+
+
+def test_ember_backends_check(capsys):
+    """`ember backends check`: the CPU backend passes, cuda's Triton kernels pass under
+    the interpreter (contract, attention in float32/bf16/fp16 against float64, a tiny
+    Llama's greedy tokens equal to the CPU backend's); cuda itself is refused with
+    the reason here, as are unknown names and --interpret without Triton."""
+    from ember.api.cli import main
+
+    assert main(["backends", "check", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: contract and attention conformance passed" in out and "equal the CPU backend's" in out
+    assert main(["backends", "check", "cuda", "--interpret"]) == 0
+    assert "cuda (Triton interpreter, CPU tensors): greedy tokens on a tiny Llama equal" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["backends", "check", "cuda"]) == 1
+        assert "backend 'cuda' is not available on this machine" in capsys.readouterr().err
+    assert main(["backends", "check", "nope"]) == 2
+    assert "no backend named 'nope'; registered: cpu, cuda" in capsys.readouterr().err
+    assert main(["backends", "check", "gaudi", "--interpret"]) == 2
+    assert "'gaudi' has none" in capsys.readouterr().err
+
+
+def test_the_end_to_end_check_catches_an_attention_that_forgets_the_context(tmp_path):
+    from ember.hardware.cpu import CPUAttention, CPUBackend
+    from ember.testing import check_end_to_end
+
+    class SelfOnly(CPUAttention):
+        def forward(self, q, k, v, kv_cache, metadata, scale):
+            super().forward(q, k, v, kv_cache, metadata, scale)  # the cache writes stay right
+            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # each token sees only itself
+
+    class Forgetful(CPUBackend):
+        name = "forgetful"
+
+        def create_attention(self):
+            return SelfOnly(None)
+
+    with pytest.raises(AssertionError, match="forgetful: greedy tokens on a tiny Llama differ from the CPU backend's"):
+        check_end_to_end(Forgetful, tmp_path)

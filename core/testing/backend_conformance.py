@@ -312,3 +312,39 @@ def _check_cache(
     changed = (flat != expected).flatten(2).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if changed:
         raise AssertionError(f"{where}: KV cache slots {changed[:10]} changed that this step's tokens do not own")
+
+
+def check_end_to_end(backend_cls: type[BaseBackend], work_dir, *, num_tokens: int = 8) -> None:
+    """A tiny random Llama (built in ``work_dir``) generates greedily with
+    ``backend_cls`` and with the CPU backend, float32: the tokens must be equal."""
+    from pathlib import Path
+
+    from ember import EngineConfig, SamplingParams
+    from ember.engine import LLMEngine
+    from ember.plugin import create_plugin_manager, hookimpl
+    from ember.testing.tiny_models import make_tiny_model
+
+    class _Plugin:
+        @hookimpl
+        def ember_register_backends(self, registry) -> None:
+            registry.register("under-check", backend_cls)
+
+    model_dir = Path(work_dir) / "tiny-llama"
+    make_tiny_model("llama", model_dir, seed=5)
+    prompts = [[5, 77, 12], list(range(40, 61)), [300]]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    tokens = {}
+    for label, name, plugins in (("cpu", "cpu", ()), (backend_cls.name, "under-check", (("under-check", _Plugin()),))):
+        config = EngineConfig(model=str(model_dir), dtype="float32", backend=name, num_kv_blocks=64, block_size=4)
+        engine = LLMEngine(config, create_plugin_manager(extra_plugins=plugins))
+        ids = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        tokens[label] = [done[i] for i in ids]
+    assert tokens[backend_cls.name] == tokens["cpu"], (
+        f"{backend_cls.name}: greedy tokens on a tiny Llama differ from the CPU backend's: "
+        f"{tokens[backend_cls.name]} vs {tokens['cpu']}"
+    )
