@@ -142,3 +142,26 @@ def test_the_end_to_end_check_catches_an_attention_that_forgets_the_context(tmp_
 
     with pytest.raises(AssertionError, match="forgetful: greedy tokens on a tiny Llama differ from the CPU backend's"):
         check_end_to_end(Forgetful, tmp_path)
+
+
+def test_the_backend_template_installs_with_pip_and_passes_the_check(tmp_path):
+    """examples/ember-backend-template, installed by pip (its entry point found by
+    Ember's plugin manager), passes `ember backends check template`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    template = Path(__file__).resolve().parents[1] / "examples" / "ember-backend-template"
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(template)],
+        check=True, capture_output=True, timeout=300,
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
+    ember = Path(sys.executable).with_name("ember")
+    result = subprocess.run([str(ember), "backends", "check", "template"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "template: contract and attention conformance passed" in result.stdout
+    assert "template: greedy tokens on a tiny Llama equal the CPU backend's" in result.stdout

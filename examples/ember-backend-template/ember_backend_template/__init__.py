@@ -1,0 +1,1 @@
+"""An Ember hardware backend template (see README.md)."""
