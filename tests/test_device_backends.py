@@ -165,3 +165,21 @@ def test_the_backend_template_installs_with_pip_and_passes_the_check(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "template: contract and attention conformance passed" in result.stdout
     assert "template: greedy tokens on a tiny Llama equal the CPU backend's" in result.stdout
+
+
+def test_the_device_check_script_runs_its_steps_on_the_cpu_in_a_dry_run(tmp_path):
+    """benchmarks/device_check.py, prepared for a lent GPU, runs every step here at tiny
+    sizes on the CPU backend (the script's own code, not a device's numbers)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+    out = tmp_path / "device_check.json"
+    result = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert steps["conformance"]["passed"] is True
+    assert steps["greedy_vs_transformers"]["first_token_equal"] == steps["greedy_vs_transformers"]["of"]
+    assert set(steps["offline"]) >= {"8", "16"} and steps["decode_batch1"]["ember_tokens_per_s"] > 0
