@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_kernels import (

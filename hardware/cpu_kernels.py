@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from ember.hardware.cpu_paths import cpu_flags
 from ember.hardware.trusted_library import (
     UntrustedKernelError,

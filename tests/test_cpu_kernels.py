@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu import CPUBackend
 from ember.hardware.cpu_kernels import SmallBatchLinear

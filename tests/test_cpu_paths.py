@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_kernels import PackedLinear, pack_bf16, packing_works
 from ember.hardware.cpu_paths import select_path

@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU
 
 import pytest
 import torch
+
 from ember.backend import AttentionBatch, SequenceSlice
 from ember.hardware.cpu import CPUAttention, CPUBackend
 from ember.testing.backend_conformance import check_attention
