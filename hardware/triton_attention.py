@@ -9,21 +9,23 @@ batch. Two kernels:
 - ``_write_kv``: each of the step's tokens writes its K and V row (all KV heads) into
   the paged cache at its slot (``slot_mapping``); a negative slot (a padded token) is
   skipped.
-- ``_paged_attention``: one program per (query token, query head). It walks the
-  token's context, ``BLOCK_N`` positions at a time, through its request's block
-  table, reading K and V where they lie in the cache, and keeps an online softmax
-  (running maximum and sum, FlashAttention's recurrence) in float32. A token at
-  position ``p`` sees positions ``0 .. p`` of its request: causal within a prompt
-  chunk, the whole cached context before it. GQA: query head ``h`` reads KV head
-  ``h // (num_heads // num_kv_heads)``.
+- ``_paged_attention`` (decodes): one program per (query token, query head). It
+  walks the token's context, ``BLOCK_N`` positions at a time, through its request's
+  block table, reading K and V where they lie in the cache, and keeps an online
+  softmax (running maximum and sum, FlashAttention's recurrence) in float32.
+- ``_paged_attention_tiled`` (prompts and prompt chunks): the same walk for a tile of
+  ``BLOCK_M`` consecutive query tokens of one request, the scores and the output as
+  ``tl.dot`` products, so each key is read once per tile instead of once per token.
 
-Each query token reads its context once per head, so long prompts re-read keys once
-per query token; a tiled prefill kernel (several query tokens per program) is the
-next step for speed on GPUs. The numbers do not depend on it.
+A token at position ``p`` sees positions ``0 .. p`` of its request: causal within a
+prompt chunk, the whole cached context before it. GQA: query head ``h`` reads KV
+head ``h // (num_heads // num_kv_heads)``. float32 products run at IEEE precision
+(no TF32), so float32 results match the CPU backend's.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +54,8 @@ def _write_kv(
 
 @triton.jit
 def _paged_attention(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, token_request_ptr, token_position_ptr,
-    stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, token_index_ptr, token_request_ptr,
+    token_position_ptr, stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
     scale,
     GROUP: tl.constexpr,  # query heads per KV head
     NUM_KV_HEADS: tl.constexpr,
@@ -62,7 +64,7 @@ def _paged_attention(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context positions per iteration
 ):
-    token = tl.program_id(0)
+    token = tl.load(token_index_ptr + tl.program_id(0))  # a decode's flat row
     head = tl.program_id(1)
     kv_head = head // GROUP
     request = tl.load(token_request_ptr + token)
@@ -95,22 +97,93 @@ def _paged_attention(
              mask=d_mask)
 
 
+@triton.jit
+def _paged_attention_tiled(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    tile_request_ptr, tile_token_ptr, tile_rows_ptr, tile_position_ptr,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
+    scale,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per tile (consecutive tokens of one request)
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact
+    UPCAST: tl.constexpr,  # products in float32 (Triton's interpreter has no bf16/fp16 tl.dot)
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    request = tl.load(tile_request_ptr + tile)
+    first = tl.load(tile_token_ptr + tile)  # flat row of the tile's first token
+    num_rows = tl.load(tile_rows_ptr + tile)
+    first_position = tl.load(tile_position_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < num_rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (first + m)[:, None] * stride_q_token + head * stride_q_head + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    positions = first_position + m
+    last = first_position + num_rows - 1
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(0, last + 1, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n <= last
+        block = tl.load(block_table_ptr + request * stride_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        rows = (block * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where((n[None, :] <= positions[:, None]) & n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (first + m)[:, None] * stride_o_token + head * stride_o_head + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64
     block_table: torch.Tensor  # (num_requests, max_blocks) int64
     token_request: torch.Tensor  # (num_tokens,) int32: the request of each flat token
     token_position: torch.Tensor  # (num_tokens,) int64: its position in its request
-    block_size: int
+    decode_tokens: torch.Tensor  # flat rows of the decodes (one query token each)
+    # tiles of BLOCK_M consecutive query tokens of one request, over the prompts
+    tile_request: torch.Tensor  # (num_tiles,) int32
+    tile_token: torch.Tensor  # (num_tiles,) int64 flat row of its first token
+    tile_rows: torch.Tensor  # (num_tiles,) int32 tokens in it
+    tile_position: torch.Tensor  # (num_tiles,) int64 position of its first token
 
 
 class TritonAttention(BaseAttention):
     """``BaseAttention`` over Triton kernels, for any device Triton runs on (and CPU
-    tensors under ``TRITON_INTERPRET=1``). ``block_n``: context positions a program
-    reads per iteration."""
+    tensors under ``TRITON_INTERPRET=1``). Decodes take one program per (token, head);
+    prompts and prompt chunks take one per (tile of ``block_m`` tokens, head), whose
+    keys are read once for the tile. ``block_n``: context positions per iteration."""
 
-    def __init__(self, block_n: int = 32) -> None:
+    def __init__(self, block_n: int = 32, block_m: int = 16) -> None:
+        if block_n < 16 or block_m < 16:
+            raise ValueError(f"block_n and block_m must be >= 16 (tl.dot's smallest tile), got {block_n}, {block_m}")
         self.block_n = block_n
+        self.block_m = block_m
 
     def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         device = batch.device
@@ -119,9 +192,24 @@ class TritonAttention(BaseAttention):
         token_request = torch.repeat_interleave(torch.arange(len(batch.query_lens), device=device), lens)
         # position of each token: its request's start plus its offset among the request's new tokens
         offsets = torch.arange(int(lens.sum()), device=device) - batch.query_start_loc[:-1].repeat_interleave(lens)
+        decodes, tiles = [], []  # from the host lists: O(requests + tiles), no device read
+        row = 0
+        for i, (num, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
+            if num == 1:
+                decodes.append(row)
+            for t in range(0, num if num > 1 else 0, self.block_m):
+                tiles.append((i, row + t, min(self.block_m, num - t), start + t))
+            row += num
+        tile_columns = list(zip(*tiles)) if tiles else [(), (), (), ()]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
         return TritonAttentionMetadata(
             batch.slot_mapping, batch.block_table.contiguous(), token_request.to(torch.int32),
-            starts.repeat_interleave(lens) + offsets, batch.block_size,
+            starts.repeat_interleave(lens) + offsets, column(decodes, torch.int64),
+            column(tile_columns[0], torch.int32), column(tile_columns[1], torch.int64),
+            column(tile_columns[2], torch.int32), column(tile_columns[3], torch.int64),
         )
 
     def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
@@ -138,12 +226,19 @@ class TritonAttention(BaseAttention):
         out = torch.empty_like(q)
         if q.stride(2) != 1:
             q = q.contiguous()
-        if num_tokens:
-            _paged_attention[(num_tokens, num_heads)](
-                out, q, kv_cache[0], kv_cache[1], metadata.block_table, metadata.token_request,
-                metadata.token_position, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                metadata.block_table.stride(0), scale,
-                GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
+        shared = dict(GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=self.block_n)
+        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0), scale)
+        if metadata.decode_tokens.numel():
+            _paged_attention[(metadata.decode_tokens.numel(), num_heads)](
+                out, q, kv_cache[0], kv_cache[1], metadata.block_table, metadata.decode_tokens,
+                metadata.token_request, metadata.token_position, *strides, **shared,
+            )
+        if metadata.tile_request.numel():
+            _paged_attention_tiled[(metadata.tile_request.numel(), num_heads)](
+                out, q, kv_cache[0], kv_cache[1], metadata.block_table, metadata.tile_request, metadata.tile_token,
+                metadata.tile_rows, metadata.tile_position, *strides, **shared, BLOCK_M=self.block_m,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
             )
         return out

@@ -26,7 +26,7 @@ class TritonOnCPU(CPUBackend):
     name = "triton-interpret"
 
     def create_attention(self):
-        return triton_attention.TritonAttention(block_n=8)
+        return triton_attention.TritonAttention(block_n=16)
 
 
 def test_the_interpreter_is_on():
