@@ -53,6 +53,15 @@ def _write_kv(
 
 
 @triton.jit
+def _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
+                  BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Cache offsets (elements) of KV head ``kv_head`` at context positions ``n`` of
+    ``request``, through its block table row."""
+    block = tl.load(block_table_ptr + request * stride_table + n // BLOCK_SIZE, mask=n_mask, other=0)
+    return (block * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+
+
+@triton.jit
 def _paged_attention(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, token_index_ptr, token_request_ptr,
     token_position_ptr, stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
@@ -79,8 +88,7 @@ def _paged_attention(
     for start in range(0, position + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= position
-        block = tl.load(block_table_ptr + request * stride_table + n // BLOCK_SIZE, mask=n_mask, other=0)
-        rows = (block * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * scale
@@ -137,8 +145,7 @@ def _paged_attention_tiled(
     for start in range(0, last + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= last
-        block = tl.load(block_table_ptr + request * stride_table + n // BLOCK_SIZE, mask=n_mask, other=0)
-        rows = (block * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
