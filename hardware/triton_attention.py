@@ -88,7 +88,8 @@ def _paged_attention(
     for start in range(0, position + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= position
-        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
+                             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * scale
@@ -145,7 +146,8 @@ def _paged_attention_tiled(
     for start in range(0, last + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= last
-        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
+                             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
