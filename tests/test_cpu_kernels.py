@@ -280,10 +280,13 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out).float()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (8, 8, 8, 1), (6, 1, 32, 3)]
 )
-def test_paged_decode_attention_matches_sdpa(kernels, heads, kv_heads, head_dim, block_size):
+def test_paged_decode_attention_matches_sdpa(kernels, heads, kv_heads, head_dim, block_size, dtype):
+    """Against float64 SDPA over the gathered context; bf16 (the CPU's bf16 path):
+    float32 accumulation, one rounding to bf16 at the end."""
     torch.manual_seed(heads * 100 + head_dim + block_size)
     num_blocks = 64
     lens = torch.tensor([1, 5, block_size, 3 * block_size + 1, 40])
@@ -295,13 +298,15 @@ def test_paged_decode_attention_matches_sdpa(kernels, heads, kv_heads, head_dim,
         n = -(-L // block_size)
         tables[b, :n] = perm[used : used + n]
         used += n
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    q = torch.randn(len(lens), heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     want = _reference_decode(q, k_cache, v_cache, tables, lens, scale)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 4e-3)
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
 
 def test_paged_decode_attention_refuses_tables_outside_the_cache(kernels):

@@ -156,35 +156,6 @@ def test_bf16_rounding_of_the_kernels_matches_torch_on_ties_and_specials(kernels
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 1, 32, 3)])
-def test_bf16_paged_decode_attention_against_float64(kernels, heads, kv_heads, head_dim, block_size):
-    torch.manual_seed(heads + head_dim)
-    num_blocks = 48
-    lens = torch.tensor([1, 7, block_size, 3 * block_size + 1, 40])
-    max_blocks = -(-int(lens.max()) // block_size)
-    perm = torch.randperm(num_blocks)
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
-    used = 0
-    for b, L in enumerate(lens.tolist()):
-        n = -(-L // block_size)
-        tables[b, :n] = perm[used : used + n]
-        used += n
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).bfloat16()
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).bfloat16()
-    q = torch.randn(len(lens), heads, head_dim).bfloat16()
-    scale = head_dim**-0.5
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    assert got.dtype == torch.bfloat16
-    want = []
-    for b, L in enumerate(lens.tolist()):
-        slots = torch.tensor([int(tables[b, t // block_size]) * block_size + t % block_size for t in range(L)])
-        k = k_cache.flatten(0, 1)[slots].double().transpose(0, 1)
-        v = v_cache.flatten(0, 1)[slots].double().transpose(0, 1)
-        want.append(F.scaled_dot_product_attention(q[b].double()[:, None], k, v, scale=scale, enable_gqa=True)[:, 0])
-    # float32 accumulation, one rounding to bf16 at the end
-    torch.testing.assert_close(got.double(), torch.stack(want), rtol=8e-3, atol=4e-3)
-
-
 def test_gemv_with_bf16_activations_rounds_once(kernels):
     torch.manual_seed(2)
     x, w, b = torch.randn(3, 70).bfloat16(), torch.randn(33, 70).bfloat16(), torch.randn(33).bfloat16()
