@@ -14,7 +14,6 @@ from ember.api.cli_env import PROG
 
 def run_generate(args: argparse.Namespace) -> int:
     import ember
-    from ember.config import EngineConfig
     from ember.kv_sizing import resolve_max_model_len
     from ember.llm import encode_chat
     from ember.model_loader import load_hf_config
@@ -45,7 +44,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = ember.LLM(
         str(model_dir),
         dtype=args.dtype,
-        num_kv_blocks=-(-num_tokens // EngineConfig.block_size),
+        num_kv_tokens=num_tokens,
         disabled_plugins=tuple(args.disable_plugin),
         required_plugins=tuple(args.plugin),
         plugin_manager=plugin_manager,

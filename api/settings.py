@@ -241,13 +241,12 @@ class ResolvedLimits:
     payload_limit: int
 
 
-def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict:
+def engine_config_kwargs(settings: ServerSettings) -> dict:
     """EngineConfig fields that follow from the settings (the rest use engine defaults)."""
     kwargs: dict = {
         "model": settings.model_id,
         "revision": settings.revision,
         "dtype": settings.dtype,
-        "block_size": block_size,
         "disabled_plugins": settings.disabled_plugins,
         "enable_prefix_caching": settings.enable_prefix_caching,
         "enable_chunked_prefill": settings.enable_chunked_prefill,
@@ -265,7 +264,7 @@ def engine_config_kwargs(settings: ServerSettings, block_size: int = 16) -> dict
             else max(settings.max_batch_prefill_tokens, settings.max_total_tokens or 0)
         )
     if settings.max_batch_total_tokens is not None:
-        kwargs["num_kv_blocks"] = -(-settings.max_batch_total_tokens // block_size)
+        kwargs["num_kv_tokens"] = settings.max_batch_total_tokens
     if settings.kv_cache_memory is not None:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory
     if settings.max_batch_size is not None:

@@ -97,6 +97,13 @@ class AttentionBatch:
 class BaseAttention(ABC):
     """Paged attention for one step. Built once per step, used by every layer."""
 
+    #: what logs and errors call it
+    name: ClassVar[str] = "paged"
+    #: tokens per KV block when the user gives no block size
+    default_block_size: ClassVar[int] = 16
+    #: the KV block sizes it runs are multiples of this (flash-attn's paged KV: 256)
+    block_size_multiple: ClassVar[int] = 1
+
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> Any:
         """Build the backend's metadata for one flat batch (gather indices, masks,

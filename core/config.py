@@ -77,9 +77,13 @@ class EngineConfig:
     revision: str | None = None
     dtype: str = "auto"
     backend: str | None = None  # None: the available backend with the highest priority
-    block_size: int = 16
+    # tokens per KV block; None: the attention's default (16; flash-attn's paged KV: 256)
+    block_size: int | None = None
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
+    # the KV pool in tokens, rounded up to whole blocks (whatever the block size);
+    # exclusive with num_kv_blocks
+    num_kv_tokens: int | None = None
     max_num_seqs: int = 256
     # tokens one step computes; None: the backend's default_step_tokens with chunked
     # prefill (CPU 512), else max(8192, max_model_len)
@@ -114,4 +118,9 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)
+        CacheConfig(16 if self.block_size is None else self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)
+        if self.num_kv_tokens is not None:
+            if self.num_kv_blocks is not None:
+                raise ValueError("give num_kv_blocks or num_kv_tokens, not both")
+            if self.num_kv_tokens < 1:
+                raise ValueError(f"num_kv_tokens must be >= 1, got {self.num_kv_tokens}")

@@ -35,7 +35,9 @@ from ember.backend import select_backend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.engine_client import EngineStats, ModelInfo
 from ember.kv_cache_manager import KVCacheManager
-from ember.kv_sizing import check_kv_cache, kv_cache_spec_from_config, profile_kv_budget, resolve_max_model_len
+from ember.kv_sizing import (
+    check_kv_cache, kv_cache_spec_from_config, profile_kv_budget, resolve_block_size, resolve_max_model_len,
+)
 from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
 from ember.model_loader import load_hf_config, load_model, model_dtype, prefill_context_scale
 from ember.model_runner import ModelRunner
@@ -104,17 +106,19 @@ class EngineCore:
 
         attention = self.backend.create_attention()
         architectures = self.plugin_manager.registries.model_architectures
-        block_size = config.block_size
+        block_size = resolve_block_size(config.block_size, attention)
         # An explicit budget sizes the pool before the weights are read, so that one
         # too small is refused in seconds, not after loading.
         num_blocks = config.num_kv_blocks
+        if num_blocks is None and config.num_kv_tokens is not None:
+            num_blocks = -(-config.num_kv_tokens // block_size)
         if num_blocks is not None:
-            check_kv_cache(num_blocks, config, self.max_model_len)
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len)
         elif config.kv_cache_memory_bytes is not None:
             spec = kv_cache_spec_from_config(self.hf_config, self.backend, self.dtype, attention, architectures)
             budget = config.kv_cache_memory_bytes
             num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
-            check_kv_cache(num_blocks, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
         self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
 
         max_model_len = self.max_model_len
@@ -138,7 +142,7 @@ class EngineCore:
                 config.max_num_seqs,
             )
             num_blocks = budget // (bytes_per_token * block_size)
-            check_kv_cache(num_blocks, config, self.max_model_len, bytes_per_token, budget)
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, bytes_per_token, budget)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -62,8 +62,23 @@ class KVCacheTooSmallError(ValueError):
                              self.budget_bytes))
 
 
+def resolve_block_size(requested: int | None, attention) -> int:
+    """Tokens per KV block: ``requested``, or the attention's ``default_block_size``
+    when None; a size the attention cannot run (not a multiple of its
+    ``block_size_multiple``) is a ValueError naming both."""
+    block_size = attention.default_block_size if requested is None else requested
+    multiple = attention.block_size_multiple
+    if block_size % multiple:
+        raise ValueError(
+            f"block_size {block_size} does not suit the {attention.name} attention, whose paged KV cache needs "
+            f"blocks of a multiple of {multiple} tokens; leave block_size unset (default {attention.default_block_size}) "
+            "or choose another attention (EMBER_ATTENTION, docs/backends.md)"
+        )
+    return block_size
+
+
 def check_kv_cache(
-    num_blocks: int, config: EngineConfig, max_model_len: int,
+    num_blocks: int, block_size: int, config: EngineConfig, max_model_len: int,
     bytes_per_token: int | None = None, budget_bytes: int | None = None,
 ) -> None:
     """Refuse a pool of less than one block, and (``config.require_kv_for_max_model_len``)
@@ -71,9 +86,9 @@ def check_kv_cache(
     ``budget_bytes``: how the pool was sized, when it was sized from memory."""
     if num_blocks < 1:
         raise ValueError("the KV cache budget holds less than one block; raise kv_cache_memory_bytes")
-    num_tokens = num_blocks * config.block_size
+    num_tokens = num_blocks * block_size
     if config.require_kv_for_max_model_len and num_tokens < max_model_len:
-        raise KVCacheTooSmallError(num_tokens, max_model_len, config.block_size, bytes_per_token, budget_bytes)
+        raise KVCacheTooSmallError(num_tokens, max_model_len, block_size, bytes_per_token, budget_bytes)
 
 
 def profile_kv_budget(model, backend, attention, kv_dtype, num_tokens: int, block_size: int, max_num_seqs: int) -> int:

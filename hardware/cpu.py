@@ -89,6 +89,8 @@ class CPUAttention(BaseAttention):
     PyTorch only. With them, float32 decode attention reads the paged cache in place
     (``paged_decode_attention``); without, it gathers K/V and runs SDPA."""
 
+    name = "cpu"
+
     def __init__(self, kernels=None) -> None:
         self.kernels = kernels
 

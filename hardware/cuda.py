@@ -12,6 +12,7 @@ from ember.plugin import hookimpl
 class CUDABackend(TorchDeviceBackend):
     name = "cuda"
     device_type = "cuda"
+    runs_flash_attn = True
 
     @classmethod
     def device_module(cls):

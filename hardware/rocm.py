@@ -13,6 +13,7 @@ from ember.plugin import hookimpl
 class ROCmBackend(TorchDeviceBackend):
     name = "rocm"
     device_type = "cuda"  # PyTorch's HIP build names AMD GPUs "cuda"
+    runs_flash_attn = True  # flash-attn's ROCm build (composable kernels)
 
     @classmethod
     def device_module(cls):

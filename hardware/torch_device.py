@@ -14,12 +14,15 @@ documents ``is_available``, ``device_count``, ``synchronize``,
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, ClassVar
 
 import torch
 
 from ember.backend import BaseAttention, BaseBackend
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -29,6 +32,15 @@ _DTYPES = {
 # (weights, activations and the KV cache together), as vLLM's --gpu-memory-utilization
 DEFAULT_MEMORY_UTILIZATION = 0.9
 INTERPRETED_MEMORY = 1 << 30  # the device an interpreted backend (checks only) pretends to have
+
+
+_logged_choices: set[tuple[str, str]] = set()
+
+
+def _log_choice(backend: str, what: str) -> None:
+    if (backend, what) not in _logged_choices:
+        _logged_choices.add((backend, what))
+        logger.info("%s backend: attention by %s (EMBER_ATTENTION overrides)", backend, what)
 
 
 def kv_budget_bytes(free: int, total: int, utilization: float, activation_bytes: int) -> int:
@@ -48,6 +60,8 @@ class TorchDeviceBackend(BaseBackend):
     priority = 10  # over the CPU backend when available
     #: attention by the Triton kernels (GPUs); False: PyTorch's ops (Gaudi runs no Triton)
     uses_triton: ClassVar[bool] = True
+    #: flash-attn has builds for this device (NVIDIA's CUDA, AMD's ROCm)
+    runs_flash_attn: ClassVar[bool] = False
 
     @classmethod
     def device_module(cls) -> Any:
@@ -108,15 +122,50 @@ class TorchDeviceBackend(BaseBackend):
         self.device_module().synchronize(self.device)
 
     def create_attention(self) -> BaseAttention:
-        if not self.uses_triton:
-            # PyTorch's ops only: the CPU backend's reference attention without its
-            # native kernels (index_copy_ into the cache, gather, SDPA) is device-agnostic
+        """The attention ``EMBER_ATTENTION`` names (``flash-attn``, ``triton``,
+        ``torch``), or by default: flash-attn where this backend runs it and it is
+        installed, else Triton (``torch`` where the device has no Triton). The choice
+        is logged once per process."""
+        choices = self.attention_choices()
+        requested = os.environ.get("EMBER_ATTENTION", "auto").strip().lower() or "auto"
+        if requested != "auto" and requested not in choices:
+            raise ValueError(
+                f"EMBER_ATTENTION={requested!r} is not an attention of the {self.name} backend; "
+                f"choose auto or one of: {', '.join(choices)}"
+            )
+        flash_missing = None
+        if "flash-attn" in choices and requested in ("auto", "flash-attn"):
+            try:
+                from ember.hardware.flash_attention import FlashAttention
+
+                attention = FlashAttention()
+            except ImportError as exc:
+                if requested == "flash-attn":
+                    raise ValueError(
+                        f"EMBER_ATTENTION=flash-attn, but flash-attn is not installed ({exc}); "
+                        "pip install 'ember-serve[flash-attn]'"
+                    ) from exc
+                flash_missing = f"flash-attn is not installed ({exc})"
+            else:
+                _log_choice(self.name, "flash-attn (varlen and paged-KV entry points, 256-token KV blocks)")
+                return attention
+        if requested == "torch" or (requested == "auto" and not self.uses_triton):
             from ember.hardware.cpu import CPUAttention
 
+            _log_choice(self.name, "PyTorch ops (index_copy_ into the cache, gather, SDPA)")
+            # the CPU backend's reference attention without its native kernels: device-agnostic
             return CPUAttention(None)
         from ember.hardware.triton_attention import TritonAttention
 
+        _log_choice(self.name, "Triton paged-attention kernels" + (f"; {flash_missing}" if flash_missing else ""))
         return TritonAttention()
+
+    @classmethod
+    def attention_choices(cls) -> tuple[str, ...]:
+        """The attentions ``EMBER_ATTENTION`` may name for this backend, best first."""
+        if not cls.uses_triton:
+            return ("torch",)
+        return ("flash-attn", "triton", "torch") if cls.runs_flash_attn else ("triton", "torch")
 
     @classmethod
     def interpreted(cls) -> type[TorchDeviceBackend]:

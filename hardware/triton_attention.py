@@ -182,11 +182,26 @@ class TritonAttentionMetadata:
     tile_position: torch.Tensor  # (num_tiles,) int64 position of its first token
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's K and V rows ``(num_tokens, num_kv_heads, head_dim)`` into
+    the paged ``kv_cache`` at its slot; tokens with a negative slot are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if k.stride(2) != 1 or k.stride(1) != head_dim or v.stride(2) != 1 or v.stride(1) != head_dim:
+        k, v = k.contiguous(), v.contiguous()
+    row = num_kv_heads * head_dim
+    _write_kv[(k.shape[0],)](
+        k, v, kv_cache[0], kv_cache[1], slot_mapping, k.stride(0), v.stride(0),
+        ROW=row, BLOCK_ROW=triton.next_power_of_2(row),
+    )
+
+
 class TritonAttention(BaseAttention):
     """``BaseAttention`` over Triton kernels, for any device Triton runs on (and CPU
     tensors under ``TRITON_INTERPRET=1``). Decodes take one program per (token, head);
     prompts and prompt chunks take one per (tile of ``block_m`` tokens, head), whose
     keys are read once for the tile. ``block_n``: context positions per iteration."""
+
+    name = "triton"
 
     def __init__(self, block_n: int = 32, block_m: int = 16) -> None:
         if block_n < 16 or block_m < 16:
@@ -224,14 +239,8 @@ class TritonAttention(BaseAttention):
     def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        if k.stride(2) != 1 or k.stride(1) != head_dim or v.stride(2) != 1 or v.stride(1) != head_dim:
-            k, v = k.contiguous(), v.contiguous()
-        row = num_kv_heads * head_dim
         if num_tokens:
-            _write_kv[(num_tokens,)](
-                k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, k.stride(0), v.stride(0),
-                ROW=row, BLOCK_ROW=triton.next_power_of_2(row),
-            )
+            write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if q.stride(2) != 1:
             q = q.contiguous()

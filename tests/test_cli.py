@@ -251,9 +251,9 @@ def test_generate_sizes_the_kv_cache_to_the_request(tiny_llama_dir, reference_ll
         num_prompt_tokens = len(reference_llm._encode_chat([{"role": "user", "content": "hello world"}])[1])
     else:
         num_prompt_tokens = len(engine.tokenizer.encode("hello world"))
-    block_size = engine.config.block_size
-    assert engine.config.num_kv_blocks == -(-(num_prompt_tokens + 30) // block_size)
-    assert engine.num_kv_cache_tokens < num_prompt_tokens + 30 + block_size
+    block_size = engine.kv_manager.block_size
+    assert engine.config.num_kv_tokens == num_prompt_tokens + 30
+    assert num_prompt_tokens + 30 <= engine.num_kv_cache_tokens < num_prompt_tokens + 30 + block_size
     params = SamplingParams(temperature=0, max_tokens=30)
     if chat:
         expected = reference_llm.chat([{"role": "user", "content": "hello world"}], params)[0].outputs[0].text

@@ -62,7 +62,9 @@ def test_serve_settings_pass_the_budget_and_batch_size_to_the_engine():
 
     kwargs = engine_config_kwargs(ServerSettings(kv_cache_memory=64 << 20, max_batch_size=8))
     assert kwargs["kv_cache_memory_bytes"] == 64 << 20 and kwargs["max_num_seqs"] == 8
-    assert "num_kv_blocks" not in kwargs
+    assert "num_kv_blocks" not in kwargs and "num_kv_tokens" not in kwargs
+    # TGI's --max-batch-total-tokens is a number of tokens, whatever the attention's block size
+    assert engine_config_kwargs(ServerSettings(max_batch_total_tokens=1000))["num_kv_tokens"] == 1000
 
 
 # -- a budget smaller than one request: said in the user's own terms, before loading when it can be

@@ -81,12 +81,15 @@ def measure_decode(spec):
     if spec.get("num_threads") is not None:
         kwargs["num_threads"] = int(spec["num_threads"])
     # One request at a time: a KV pool of its size, not the backend's share of memory.
-    block_size = getattr(EngineConfig, "block_size", 16)
-    num_blocks = -(-(len(prompt_ids) + decode_tokens + 1) // block_size) + 1
+    num_tokens = len(prompt_ids) + decode_tokens + 1
+    block_size = getattr(EngineConfig, "block_size", None) or 16  # versions before num_kv_tokens
     try:
-        config = EngineConfig(num_kv_blocks=num_blocks, **kwargs)
-    except TypeError:  # an EngineConfig without that field
-        config = EngineConfig(**kwargs)
+        config = EngineConfig(num_kv_tokens=num_tokens, **kwargs)
+    except TypeError:  # an EngineConfig without num_kv_tokens
+        try:
+            config = EngineConfig(num_kv_blocks=-(-num_tokens // block_size) + 1, **kwargs)
+        except TypeError:  # nor num_kv_blocks
+            config = EngineConfig(**kwargs)
     engine = LLMEngine(config)
 
     backend = getattr(engine, "backend", None)

@@ -65,13 +65,27 @@ class RequestCase:
     q: torch.Tensor  # (num_new, num_heads, head_dim)
     k: torch.Tensor  # (num_cached + num_new, num_kv_heads, head_dim)
     v: torch.Tensor
+    block_size: int = BLOCK_SIZE
 
     @property
     def num_new(self) -> int:
         return self.q.shape[0]
 
     def slot(self, position: int) -> int:
-        return self.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+        return self.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def attention_block_size(attention: BaseAttention) -> int:
+    """The block size the check runs ``attention`` with: ``BLOCK_SIZE``, or the
+    smallest multiple of it that the attention's ``block_size_multiple`` allows."""
+    return math.lcm(BLOCK_SIZE, attention.block_size_multiple)
+
+
+def scale_batch(batch: tuple[tuple[int, int], ...], factor: int) -> tuple[tuple[int, int], ...]:
+    """``batch`` for blocks ``factor`` times larger: cached and new lengths scaled, so
+    that contexts cross block boundaries as they do at ``BLOCK_SIZE``; a single new
+    token (a decode, a one-token prompt) stays one."""
+    return tuple((c * factor, n if n == 1 else n * factor) for c, n in batch)
 
 
 def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: int = 0) -> None:
@@ -174,14 +188,14 @@ def check_attention(
             _check_step(backend, sub_batch, dtype, head_dim, rng, gen)
 
 
-def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random) -> list[list[int]]:
+def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random, block_size: int) -> list[list[int]]:
     """Disjoint tables drawn from shuffled block ids; the second request's table is one
     block longer than its context needs (a backend must not touch that block)."""
     block_ids = list(range(NUM_BLOCKS))
     rng.shuffle(block_ids)
     tables = []
     for index, (num_cached, num_new) in enumerate(batch):
-        num_table_blocks = -(-(num_cached + num_new) // BLOCK_SIZE) + (1 if index == 1 else 0)
+        num_table_blocks = -(-(num_cached + num_new) // block_size) + (1 if index == 1 else 0)
         table, block_ids = block_ids[:num_table_blocks], block_ids[num_table_blocks:]
         assert len(table) == num_table_blocks, "the test batch needs more than NUM_BLOCKS blocks"
         tables.append(table)
@@ -189,7 +203,8 @@ def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random) -> lis
 
 
 def _make_requests(
-    batch: tuple[tuple[int, int], ...], tables: list[list[int]], head_dim: int, gen: torch.Generator
+    batch: tuple[tuple[int, int], ...], tables: list[list[int]], head_dim: int, gen: torch.Generator,
+    block_size: int = BLOCK_SIZE,
 ) -> list[RequestCase]:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -201,6 +216,7 @@ def _make_requests(
             q=randn(num_new, NUM_HEADS, head_dim),
             k=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
             v=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
+            block_size=block_size,
         )
         for (num_cached, num_new), table in zip(batch, tables)
     ]
@@ -233,24 +249,26 @@ def _check_step(
     scale = 1.0 / math.sqrt(head_dim)
     atol, rtol = TOLERANCES[dtype]
     attention = backend.create_attention()
-    tables = _block_tables(batch, rng)
+    block_size = attention_block_size(attention)
+    batch = scale_batch(batch, block_size // BLOCK_SIZE)
+    tables = _block_tables(batch, rng, block_size)
     # Every layer shares the batch's shape and block tables, with its own q/k/v and cache.
-    layers = [_make_requests(batch, tables, head_dim, gen) for _ in range(NUM_LAYERS)]
+    layers = [_make_requests(batch, tables, head_dim, gen, block_size) for _ in range(NUM_LAYERS)]
     slices = [SequenceSlice(num_new, num_cached, list(table)) for (num_cached, num_new), table in zip(batch, tables)]
 
     caches = []
     for requests in layers:
-        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        flat = cache.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, head_dim)
         for r in requests:  # the cached context, as earlier steps would have written it
-            for p in range(r.num_cached):
-                block, offset = divmod(r.slot(p), BLOCK_SIZE)
-                cache[0, block, offset] = r.k[p].to(dtype)
-                cache[1, block, offset] = r.v[p].to(dtype)
+            slots = torch.tensor([r.slot(p) for p in range(r.num_cached)], dtype=torch.int64)
+            flat[0, slots] = r.k[: r.num_cached].to(dtype)
+            flat[1, slots] = r.v[: r.num_cached].to(dtype)
         caches.append(cache)
     before = [c.clone() for c in caches]
     device_caches = [c.to(device) for c in caches]
 
-    attention_batch = AttentionBatch.from_slices(slices, BLOCK_SIZE, torch.device("cpu"))
+    attention_batch = AttentionBatch.from_slices(slices, block_size, torch.device("cpu"))
     # entries past each request's last block hold other valid block ids (as a
     # runner's reused rows do): attention must never read them
     table = attention_batch.block_table
@@ -280,7 +298,8 @@ def _check_step(
         row = 0
         for index, r in enumerate(requests):
             # The reference sees what the backend sees: inputs rounded to `dtype`.
-            rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(), r.v.to(dtype).double())
+            rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(),
+                                  r.v.to(dtype).double(), block_size)
             expected = reference_attention(rounded, scale)
             got = out[row : row + r.num_new]
             if not torch.allclose(got, expected, atol=atol, rtol=rtol):
@@ -297,8 +316,9 @@ def _check_cache(
     cache: torch.Tensor, before: torch.Tensor, requests: list[RequestCase], dtype: torch.dtype, where: str
 ) -> None:
     """This step's k/v sit at their slots; every other slot is bit-for-bit unchanged."""
-    flat = cache.view(2, NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, -1)
-    expected = before.view(2, NUM_BLOCKS * BLOCK_SIZE, NUM_KV_HEADS, -1).clone()
+    block_size = cache.shape[2]
+    flat = cache.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, -1)
+    expected = before.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, -1).clone()
     for index, r in enumerate(requests):
         for p in range(r.num_cached, r.num_cached + r.num_new):
             slot = r.slot(p)
@@ -307,7 +327,7 @@ def _check_cache(
             if not (torch.equal(flat[0, slot], expected[0, slot]) and torch.equal(flat[1, slot], expected[1, slot])):
                 raise AssertionError(
                     f"{where}: request {index} position {p} was not written to its slot {slot} "
-                    f"(block {r.block_table[p // BLOCK_SIZE]}, offset {p % BLOCK_SIZE})"
+                    f"(block {r.block_table[p // block_size]}, offset {p % block_size})"
                 )
     changed = (flat != expected).flatten(2).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if changed:
@@ -334,8 +354,11 @@ def check_end_to_end(backend_cls: type[BaseBackend], work_dir, *, num_tokens: in
     prompts = [[5, 77, 12], list(range(40, 61)), [300]]
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     tokens = {}
+    # small blocks, so that contexts cross block boundaries (the smallest the attention takes)
+    block_size = attention_block_size(backend_cls().create_attention())
     for label, name, plugins in (("cpu", "cpu", ()), (backend_cls.name, "under-check", (("under-check", _Plugin()),))):
-        config = EngineConfig(model=str(model_dir), dtype="float32", backend=name, num_kv_blocks=64, block_size=4)
+        config = EngineConfig(model=str(model_dir), dtype="float32", backend=name, num_kv_tokens=256,
+                              block_size=BLOCK_SIZE if name == "cpu" else block_size)
         engine = LLMEngine(config, create_plugin_manager(extra_plugins=plugins))
         ids = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
         done = {}

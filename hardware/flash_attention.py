@@ -1,0 +1,111 @@
+"""FlashAttention 2 (the ``flash-attn`` package, Dao-AILab) over Ember's paged KV
+cache, for the CUDA and ROCm backends where the package is installed.
+
+Two of flash-attn's documented entry points, both reading the cache through a block
+table:
+
+- ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+  max_seqlen_q, max_seqlen_k, softmax_scale=, causal=True, block_table=)`` for any
+  step with prompts or prompt chunks: the queries are the flat batch, each request's
+  keys its whole context (cached and new), and ``causal`` aligns the mask to the
+  bottom right, so that a chunk after a cached context sees the context and its own
+  earlier tokens.
+- ``flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=,
+  block_table=, softmax_scale=, causal=True)`` for decode-only steps (one query per
+  request): fixed shapes, so a decode step can be captured in a device graph.
+
+Ember's cache ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` is already
+flash-attn's paged layout (``k_cache = kv_cache[0]``: ``(num_blocks, page_block_size,
+nheads_k, headdim)``). flash-attn 2 requires ``page_block_size`` to be a multiple of
+256, so this attention's KV blocks default to 256 tokens (``block_size_multiple``;
+prefix caching then shares whole 256-token blocks). It writes K/V into the cache with
+the Triton kernel the Triton attention uses, and runs float32 models (which flash-attn
+does not take) and head sizes over 256 through the Triton attention.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ember.backend import AttentionBatch, BaseAttention
+
+logger = logging.getLogger(__name__)
+
+PAGE_BLOCK_MULTIPLE = 256  # flash-attn 2: "Paged KV cache block size must be divisible by 256"
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class FlashAttentionMetadata:
+    batch: AttentionBatch
+    decode_only: bool
+    block_table: torch.Tensor  # (num_requests, max_blocks) int32
+    seq_lens: torch.Tensor  # (num_requests,) int32: context of each request (cached + new)
+    cu_seqlens_q: torch.Tensor  # (num_requests + 1,) int32
+    cu_seqlens_k: torch.Tensor  # (num_requests + 1,) int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    fallback: object = None  # the Triton attention's metadata, built when a layer needs it
+
+
+class FlashAttention(BaseAttention):
+    """``BaseAttention`` through flash-attn. ``module``: the ``flash_attn`` module
+    (imported when None); ``ImportError`` where it is not installed."""
+
+    name = "flash-attn"
+    default_block_size = PAGE_BLOCK_MULTIPLE
+    block_size_multiple = PAGE_BLOCK_MULTIPLE
+
+    def __init__(self, module=None) -> None:
+        module = module or importlib.import_module("flash_attn")
+        self.varlen = module.flash_attn_varlen_func
+        self.with_kvcache = module.flash_attn_with_kvcache
+        from ember.hardware.triton_attention import TritonAttention, write_kv
+
+        self.write_kv = write_kv
+        self.fallback = TritonAttention()
+        self._warned: set[str] = set()
+
+    def prepare(self, batch: AttentionBatch) -> FlashAttentionMetadata:
+        device = batch.device
+        seq_lens = batch.seq_lens.to(torch.int32)
+        cu_seqlens_k = torch.zeros(len(batch.query_lens) + 1, dtype=torch.int32, device=device)
+        torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
+        max_seqlen_k = max((s + n for s, n in zip(batch.start_positions, batch.query_lens)), default=0)
+        return FlashAttentionMetadata(
+            batch, all(n == 1 for n in batch.query_lens), batch.block_table.to(torch.int32), seq_lens,
+            batch.query_start_loc.to(torch.int32), cu_seqlens_k, max(batch.query_lens, default=0), max_seqlen_k,
+        )
+
+    def _unsupported(self, q: torch.Tensor) -> str | None:
+        if q.dtype not in _DTYPES:
+            return f"{q.dtype} (flash-attn runs float16 and bfloat16)"
+        if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8:
+            return f"head size {q.shape[-1]} (flash-attn runs multiples of 8 up to {MAX_HEAD_DIM})"
+        return None
+
+    def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale: float) -> torch.Tensor:
+        reason = self._unsupported(q)
+        if reason is not None:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.info("attention: %s runs the Triton kernels", reason)
+            if metadata.fallback is None:
+                metadata.fallback = self.fallback.prepare(metadata.batch)
+            return self.fallback.forward(q, k, v, kv_cache, metadata.fallback, scale)
+        if q.shape[0]:
+            self.write_kv(k, v, kv_cache, metadata.batch.slot_mapping)
+        if metadata.decode_only:
+            return self.with_kvcache(
+                q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=metadata.seq_lens,
+                block_table=metadata.block_table, softmax_scale=scale, causal=True,
+            ).squeeze(1)
+        return self.varlen(
+            q, kv_cache[0], kv_cache[1], metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
+            metadata.max_seqlen_k, softmax_scale=scale, causal=True, block_table=metadata.block_table,
+        )

@@ -1,0 +1,145 @@
+"""The flash-attn attention of the CUDA and ROCm backends (ember.hardware.flash_attention)
+and how a device backend chooses its attention (EMBER_ATTENTION).
+
+flash-attn's kernels need a GPU. Here the adapter runs against
+tests/flash_attn_reference.py, flash-attn's two paged entry points as its
+documentation defines them (with the argument checks its kernels make), and must pass
+the backend conformance kit's float64 attention check: this shows that Ember calls
+flash-attn as documented, not that flash-attn's kernels are right (a GPU shows that:
+benchmarks/device_check.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU here
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import flash_attn_reference
+from ember.hardware.cpu import CPUAttention
+from ember.hardware.flash_attention import FlashAttention
+from ember.hardware.triton_attention import TritonAttention
+from ember.plugin import create_plugin_manager
+from ember.testing import check_backend
+from ember.testing.backend_conformance import check_attention
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return create_plugin_manager().registries.backends
+
+
+@pytest.fixture
+def flash_attn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_reference)
+    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
+    return flash_attn_reference
+
+
+@pytest.fixture
+def no_flash_attn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
+
+
+def test_the_adapter_passes_the_conformance_kit_through_flash_attns_documented_api(backends, flash_attn):
+    """float16/bfloat16 through the two entry points with 256-token pages (the kit
+    scales its mixed batch so that contexts still cross pages); float32, which
+    flash-attn does not take, through the Triton kernels."""
+    cls = backends.get("cuda").interpreted()
+    assert isinstance(cls().create_attention(), FlashAttention)
+    check_backend(cls, head_dim=64)
+
+
+def test_an_adapter_that_ignores_the_cached_context_fails_the_kit(backends, flash_attn, monkeypatch):
+    original = FlashAttention.prepare
+
+    def forgetful(self, batch):  # keys of the new tokens only: a chunk's cached context is lost
+        metadata = original(self, batch)
+        lens = torch.tensor(batch.query_lens, dtype=torch.int32)
+        metadata.seq_lens = lens
+        metadata.cu_seqlens_k = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+        return metadata
+
+    monkeypatch.setattr(FlashAttention, "prepare", forgetful)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        check_attention(backends.get("cuda").interpreted()(), dtype=torch.bfloat16)
+
+
+def test_flash_attn_is_chosen_where_installed_and_triton_otherwise(backends, flash_attn, monkeypatch, caplog):
+    monkeypatch.delenv("EMBER_ATTENTION")
+    for name in ("cuda", "rocm"):
+        assert isinstance(backends.get(name)().create_attention(), FlashAttention)
+    assert isinstance(backends.get("xpu")().create_attention(), TritonAttention)  # no flash-attn build for XPU
+    monkeypatch.setenv("EMBER_ATTENTION", "triton")
+    assert isinstance(backends.get("cuda")().create_attention(), TritonAttention)
+    monkeypatch.setenv("EMBER_ATTENTION", "torch")
+    assert isinstance(backends.get("cuda")().create_attention(), CPUAttention)
+
+
+def test_without_flash_attn_the_gpu_backends_say_so_and_run_triton(backends, no_flash_attn, monkeypatch, caplog):
+    monkeypatch.delenv("EMBER_ATTENTION", raising=False)
+    with caplog.at_level(logging.INFO, logger="ember.hardware.torch_device"):
+        assert isinstance(backends.get("rocm")().create_attention(), TritonAttention)
+    assert "attention by Triton paged-attention kernels; flash-attn is not installed" in caplog.text
+    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
+    with pytest.raises(ValueError, match=r"EMBER_ATTENTION=flash-attn, but flash-attn is not installed"):
+        backends.get("cuda")().create_attention()
+
+
+@pytest.mark.parametrize(("name", "value", "allowed"), [
+    ("cuda", "flashinfer", "flash-attn, triton, torch"),
+    ("xpu", "flash-attn", "triton, torch"),
+    ("gaudi", "triton", "torch"),
+])
+def test_an_attention_the_backend_does_not_run_is_refused_by_name(backends, monkeypatch, name, value, allowed):
+    monkeypatch.setenv("EMBER_ATTENTION", value)
+    with pytest.raises(ValueError, match=f"EMBER_ATTENTION='{value}' is not an attention of the {name} backend; "
+                                         f"choose auto or one of: {allowed}"):
+        backends.get(name)().create_attention()
+
+
+def _generate(model_dir, backend_cls, dtype, **engine_args):
+    from ember import EngineConfig, SamplingParams
+    from ember.engine import LLMEngine
+    from ember.plugin import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def ember_register_backends(self, registry):
+            registry.register("under-test", backend_cls)
+
+    config = EngineConfig(model=str(model_dir), dtype=dtype, backend="under-test", **engine_args)
+    engine = LLMEngine(config, create_plugin_manager(extra_plugins=(("under-test", Plugin()),)))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # a long prompt beside short ones: varlen steps with several requests, then decode-only steps
+    prompts = [[(7 * i) % 250 + 3 for i in range(200)], [5, 77, 12], list(range(40, 61))]
+    ids = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return engine, [done[i] for i in ids]
+
+
+def test_an_engine_on_flash_attn_takes_256_token_blocks_and_generates_as_triton_does(
+    backends, flash_attn, monkeypatch, tiny_llama_dir,
+):
+    cls = backends.get("cuda").interpreted()
+    engine, flash_tokens = _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024)
+    assert engine.kv_manager.block_size == 256 and engine.num_kv_cache_tokens == 1024
+    assert isinstance(engine.runner.attention, FlashAttention)
+    monkeypatch.setenv("EMBER_ATTENTION", "triton")
+    engine, triton_tokens = _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024)
+    assert engine.kv_manager.block_size == 16
+    assert flash_tokens == triton_tokens
+    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
+    with pytest.raises(ValueError, match="block_size 16 does not suit the flash-attn attention, whose paged KV cache "
+                                         "needs blocks of a multiple of 256 tokens"):
+        _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024, block_size=16)
