@@ -126,6 +126,23 @@ class BaseAttention(ABC):
         (cached tokens plus this step's), shape ``(num_tokens, num_heads, head_dim)``,
         dtype of ``q``. Must not read or write slots of other requests."""
 
+    #: whether ``graph_metadata`` / ``fill_graph_metadata`` are implemented (decode
+    #: steps can then be captured in device graphs, ``ember.graphs``)
+    supports_graphs: ClassVar[bool] = False
+
+    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> Any:
+        """Metadata for a decode-only step of exactly ``batch_size`` requests (one
+        query token each) held in static tensors: the same objects on every step, so
+        that a captured forward reads each step's values. Until filled, every row
+        writes nothing (slot -1) and reads only valid cache slots."""
+        raise NotImplementedError(f"{type(self).__name__} does not support device graphs")
+
+    def fill_graph_metadata(self, metadata: Any, batch: AttentionBatch) -> None:
+        """Write the decode-only ``batch`` (``n <= batch_size`` requests, at most
+        ``max_blocks`` blocks each) into ``metadata`` from `graph_metadata`, in place;
+        rows ``n ..`` become padding: their slot -1, their reads valid cache slots."""
+        raise NotImplementedError(f"{type(self).__name__} does not support device graphs")
+
 
 class BaseBackend(ABC):
     """A device kind. Subclasses are registered through the `ember_register_backends` hook.
@@ -246,6 +263,13 @@ class BaseBackend(ABC):
     @abstractmethod
     def create_attention(self) -> BaseAttention:
         """The paged attention implementation for this device."""
+
+    def graph_capture(self) -> Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]] | None:
+        """Device graphs for decode steps (``ember.graphs``): a callable that captures
+        ``fn`` (a forward pass over static tensors, run once or more while capturing)
+        and returns ``replay() -> the captured output``, refreshed by each replay.
+        None (the default): the device has no graphs and every step runs eagerly."""
+        return None
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on synchronous devices)."""

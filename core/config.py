@@ -100,6 +100,11 @@ class EngineConfig:
     # Server-side settings of logits processors by name, e.g. {"watermark": {"key": "..."}}:
     # each processor gets its own as `LogitsProcessorContext.options`.
     processor_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Decode batch sizes captured in device graphs (CUDA/HPU graphs, ember.graphs) where
+    # the backend and its attention have them; None: ember.graphs.default_graph_sizes;
+    # () or enforce_eager: none (every step eager, as vLLM's --enforce-eager)
+    graph_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False
     # Refuse a KV cache that cannot hold one request of max_model_len tokens
     # (`KVCacheTooSmallError`), as a server that promises that limit must. Off for
     # offline use, where a smaller cache only refuses the requests that do not fit.
@@ -119,6 +124,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         CacheConfig(16 if self.block_size is None else self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)
+        if self.graph_sizes is not None:
+            sizes = tuple(self.graph_sizes)
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+                raise ValueError(f"graph_sizes must be positive integers, got {list(sizes)}")
+            object.__setattr__(self, "graph_sizes", tuple(sorted(set(sizes))))
         if self.num_kv_tokens is not None:
             if self.num_kv_blocks is not None:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")

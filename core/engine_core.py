@@ -34,6 +34,7 @@ import torch
 from ember.backend import select_backend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.engine_client import EngineStats, ModelInfo
+from ember.graphs import default_graph_sizes
 from ember.kv_cache_manager import KVCacheManager
 from ember.kv_sizing import (
     check_kv_cache, kv_cache_spec_from_config, profile_kv_budget, resolve_block_size, resolve_max_model_len,
@@ -162,6 +163,7 @@ class EngineCore:
             self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             vocab_size=self.hf_config.vocab_size,
         )
+        self.graph_capture_seconds = self._capture_graphs(config, attention)
         # The step's slots for the plugin kinds built on it (ember.step): a speculator
         # proposes draft tokens per decoding request, a token masker gives allowed-token
         # masks. Unset until those plugins exist; tests set fakes.
@@ -180,6 +182,21 @@ class EngineCore:
         # engine core does after start-up).
         gc.collect()
         gc.freeze()
+
+    def _capture_graphs(self, config: EngineConfig, attention) -> float | None:
+        """Capture decode steps in device graphs where the backend has them and the
+        attention has a static form (``ember.graphs``); the seconds it took, or None."""
+        if config.enforce_eager or config.graph_sizes == ():
+            return None
+        capture = self.backend.graph_capture()
+        if capture is None:
+            return None
+        if not attention.supports_graphs:
+            logger.info("device graphs: off (the %s attention has no static form); decode steps run eagerly",
+                        attention.name)
+            return None
+        sizes = config.graph_sizes or default_graph_sizes(config.max_num_seqs)
+        return self.runner.capture_graphs(capture, sizes).capture_seconds
 
     # -- facts ------------------------------------------------------------------
     def model_info(self) -> ModelInfo:

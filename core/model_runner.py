@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
+from ember.graphs import DecodeGraphs
 from ember.logits_processor import LogitsPipeline, SamplingRow
 from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.models.base import BaseCausalLM
@@ -268,6 +269,19 @@ class ModelRunner:
         self.logits_pipeline = logits_pipeline or LogitsPipeline([])
         self.sampler = Sampler(vocab_size, seed, greedy_op=backend.greedy_op(), pipeline=self.logits_pipeline)
         self._inference_mode = torch.inference_mode()  # not re-entered: execute checks first
+        self.graphs: DecodeGraphs | None = None  # decode steps from device graphs (capture_graphs)
+
+    def capture_graphs(self, capture, sizes) -> DecodeGraphs:
+        """Capture decode-only forward passes of ``sizes`` requests with the backend's
+        ``capture`` (``BaseBackend.graph_capture``); later decode-only steps of up to
+        ``max(sizes)`` requests replay them."""
+        sizes = [s for s in sizes if s <= self.batch.block_table.shape[0]]  # never more rows than the batch
+        with self._inference_mode:
+            self.graphs = DecodeGraphs(
+                self.model, self.attention, self.kv_caches, capture, sizes or [1], self.batch.block_table.shape[1],
+                self.backend.device,
+            )
+        return self.graphs
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch
@@ -342,10 +356,14 @@ class ModelRunner:
             query_lens.append(num_tokens)
             num_flat += num_tokens
         input_ids, positions, attention_batch = batch.gather(requests, query_lens)
-        metadata = self.attention.prepare(attention_batch)
-        if device.type != "cpu":
-            input_ids, positions = input_ids.to(device), positions.to(device)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        graphs = self.graphs
+        if graphs is not None and num_flat == len(requests) <= graphs.max_size:  # one token each: decodes
+            hidden = graphs.run(input_ids, positions, attention_batch)
+        else:
+            metadata = self.attention.prepare(attention_batch)
+            if device.type != "cpu":
+                input_ids, positions = input_ids.to(device), positions.to(device)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         token_ids: list[int] = []
         logprobs: list[float] = []
         top: list[PositionLogprobs | None] | None = None  # None: no request of the step asks

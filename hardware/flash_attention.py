@@ -42,7 +42,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(slots=True)
 class FlashAttentionMetadata:
-    batch: AttentionBatch
+    batch: AttentionBatch | None  # None: a device graph's static metadata
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
     decode_only: bool
     block_table: torch.Tensor  # (num_requests, max_blocks) int32
     seq_lens: torch.Tensor  # (num_requests,) int32: context of each request (cached + new)
@@ -78,9 +79,28 @@ class FlashAttention(BaseAttention):
         torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
         max_seqlen_k = max((s + n for s, n in zip(batch.start_positions, batch.query_lens)), default=0)
         return FlashAttentionMetadata(
-            batch, all(n == 1 for n in batch.query_lens), batch.block_table.to(torch.int32), seq_lens,
+            batch, batch.slot_mapping, all(n == 1 for n in batch.query_lens), batch.block_table.to(torch.int32),
+            seq_lens,
             batch.query_start_loc.to(torch.int32), cu_seqlens_k, max(batch.query_lens, default=0), max_seqlen_k,
         )
+
+    supports_graphs = True
+
+    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> FlashAttentionMetadata:
+        seq_lens = torch.ones(batch_size, dtype=torch.int32, device=device)  # padding reads slot 0 of its block
+        fallback = self.fallback.graph_metadata(batch_size, max_blocks, device)
+        return FlashAttentionMetadata(
+            None, fallback.slot_mapping, True, torch.zeros(batch_size, max_blocks, dtype=torch.int32, device=device),
+            seq_lens, torch.arange(batch_size + 1, dtype=torch.int32, device=device),
+            torch.zeros(batch_size + 1, dtype=torch.int32, device=device), 1, 0, fallback,
+        )
+
+    def fill_graph_metadata(self, metadata: FlashAttentionMetadata, batch: AttentionBatch) -> None:
+        self.fallback.fill_graph_metadata(metadata.fallback, batch)  # slot_mapping is shared with it
+        n, width = batch.block_table.shape
+        metadata.block_table[:n, :width].copy_(batch.block_table, non_blocking=True)
+        metadata.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        metadata.seq_lens[n:].fill_(1)
 
     def _unsupported(self, q: torch.Tensor) -> str | None:
         if q.dtype not in _DTYPES:
@@ -99,7 +119,7 @@ class FlashAttention(BaseAttention):
                 metadata.fallback = self.fallback.prepare(metadata.batch)
             return self.fallback.forward(q, k, v, kv_cache, metadata.fallback, scale)
         if q.shape[0]:
-            self.write_kv(k, v, kv_cache, metadata.batch.slot_mapping)
+            self.write_kv(k, v, kv_cache, metadata.slot_mapping)
         if metadata.decode_only:
             return self.with_kvcache(
                 q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=metadata.seq_lens,

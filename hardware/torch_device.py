@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from ember.backend import BaseAttention, BaseBackend
+from ember.graphs import eager_capture
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,37 @@ def kv_budget_bytes(free: int, total: int, utilization: float, activation_bytes:
     processes) minus the profiled activation peak; 0 when nothing is left."""
     in_use = total - free
     return max(0, int(total * utilization) - in_use - activation_bytes)
+
+
+class CUDAGraphCapture:
+    """Captures with ``torch.cuda.CUDAGraph`` as PyTorch documents it: ``fn`` runs
+    once on a side stream (lazy initialisation, Triton's compilation), then once under
+    ``torch.cuda.graph``; every graph shares one memory pool (captured largest first,
+    the smaller ones fit in its memory)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = None
+
+    def __call__(self, fn):
+        cuda = torch.cuda
+        with cuda.device(self.device):
+            side = cuda.Stream()
+            side.wait_stream(cuda.current_stream())
+            with cuda.stream(side):
+                fn()
+            cuda.current_stream().wait_stream(side)
+            graph = cuda.CUDAGraph()
+            with cuda.graph(graph, pool=self.pool):
+                out = fn()
+            if self.pool is None:
+                self.pool = graph.pool()
+
+        def replay():
+            graph.replay()
+            return out
+
+        return replay
 
 
 class TorchDeviceBackend(BaseBackend):
@@ -160,6 +192,13 @@ class TorchDeviceBackend(BaseBackend):
         _log_choice(self.name, "Triton paged-attention kernels" + (f"; {flash_missing}" if flash_missing else ""))
         return TritonAttention()
 
+    def graph_capture(self):
+        """CUDA graphs where the device module has them (``torch.cuda``: NVIDIA, and
+        AMD under PyTorch's HIP build, where they are HIP graphs); None elsewhere."""
+        if self.device_type != "cuda":
+            return None
+        return CUDAGraphCapture(self.device)
+
     @classmethod
     def attention_choices(cls) -> tuple[str, ...]:
         """The attentions ``EMBER_ATTENTION`` may name for this backend, best first."""
@@ -181,5 +220,8 @@ class TorchDeviceBackend(BaseBackend):
             "memory_info": lambda self: (INTERPRETED_MEMORY, INTERPRETED_MEMORY),
             "peak_memory_of": BaseBackend.peak_memory_of,
             "synchronize": lambda self: None,
+            # no graphs on CPU tensors: each replay runs the forward again, through the
+            # same static tensors and padding a device graph would read
+            "graph_capture": lambda self: eager_capture,
             "describe": lambda self: f"{cls.name} (cpu tensors, Triton interpreter)",
         })

@@ -236,6 +236,26 @@ class TritonAttention(BaseAttention):
             column(tile_columns[2], torch.int32), column(tile_columns[3], torch.int64),
         )
 
+    supports_graphs = True
+
+    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> TritonAttentionMetadata:
+        rows = torch.arange(batch_size, device=device)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return TritonAttentionMetadata(
+            torch.full((batch_size,), -1, dtype=torch.int64, device=device),
+            torch.zeros(batch_size, max_blocks, dtype=torch.int64, device=device), rows.to(torch.int32),
+            torch.zeros(batch_size, dtype=torch.int64, device=device), rows,
+            empty.to(torch.int32), empty, empty.to(torch.int32), empty,
+        )
+
+    def fill_graph_metadata(self, metadata: TritonAttentionMetadata, batch: AttentionBatch) -> None:
+        n, width = batch.block_table.shape
+        metadata.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        metadata.slot_mapping[n:].fill_(-1)
+        metadata.block_table[:n, :width].copy_(batch.block_table, non_blocking=True)
+        torch.sub(batch.seq_lens, 1, out=metadata.token_position[:n])
+        metadata.token_position[n:].zero_()  # padding reads position 0 of its row's first block
+
     def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]

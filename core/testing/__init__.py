@@ -5,7 +5,12 @@
     check_logits_processor(MyProcessor, [SamplingParams(extra={"my_processor": 1})])
 """
 
-from ember.testing.backend_conformance import check_attention, check_backend, check_backend_basics, check_end_to_end
+from ember.testing.backend_conformance import (
+    check_attention, check_backend, check_backend_basics, check_end_to_end, check_graph_attention,
+)
 from ember.testing.logits_processor_conformance import check_logits_processor
 
-__all__ = ["check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_logits_processor"]
+__all__ = [
+    "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_graph_attention",
+    "check_logits_processor",
+]

@@ -98,6 +98,7 @@ def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: i
     dtypes = [torch.float32] + [d for d in backend.supported_dtypes if d != torch.float32 and d in TOLERANCES]
     for dtype in dtypes:
         check_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed)
+        check_graph_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed)
 
 
 def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
@@ -236,6 +237,80 @@ def reference_attention(request: RequestCase, scale: float) -> torch.Tensor:
     return (scores.softmax(dim=-1) @ v).transpose(0, 1)
 
 
+def _cache_with_context(
+    requests: list[RequestCase], block_size: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
+    """A random cache holding each request's cached context at its slots, as earlier
+    steps would have written it."""
+    cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+    flat = cache.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, head_dim)
+    for r in requests:
+        slots = torch.tensor([r.slot(p) for p in range(r.num_cached)], dtype=torch.int64)
+        flat[0, slots] = r.k[: r.num_cached].to(dtype)
+        flat[1, slots] = r.v[: r.num_cached].to(dtype)
+    return cache
+
+
+def check_graph_attention(
+    backend: BaseBackend, *, dtype: torch.dtype = torch.float32, head_dim: int = 64, seed: int = 0,
+    padding: int = 3,
+) -> None:
+    """For an attention with ``supports_graphs``: its static decode metadata
+    (``graph_metadata`` once, ``fill_graph_metadata`` per step) gives the reference
+    attention for two different decode batches in a row, each padded with
+    ``padding`` rows, and the padding writes no cache slot. Nothing to check (None)
+    for an attention without graphs."""
+    attention = backend.create_attention()
+    if not attention.supports_graphs:
+        return
+    device, scale = backend.device, 1.0 / math.sqrt(head_dim)
+    atol, rtol = TOLERANCES[dtype]
+    block_size = attention_block_size(attention)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    decodes = tuple(r for r in MIXED_BATCH if r[0] > 0 and r[1] == 1)
+    size = len(decodes) + padding
+    max_blocks = NUM_BLOCKS // 2
+    metadata = attention.graph_metadata(size, max_blocks, device)
+    # the second step: other requests, one fewer, longer contexts; the same static metadata
+    for step, batch in enumerate((decodes, tuple((c + 5, 1) for c, _ in decodes[1:]))):
+        batch = scale_batch(batch, block_size // BLOCK_SIZE)
+        tables = _block_tables(batch, rng, block_size)
+        requests = _make_requests(batch, tables, head_dim, gen, block_size)
+        cache = _cache_with_context(requests, block_size, head_dim, dtype, gen)
+        before, kv_cache = cache.clone(), cache.to(device)
+        slices = [SequenceSlice(1, c, list(t)) for (c, _), t in zip(batch, tables)]
+        attention_batch = AttentionBatch.from_slices(slices, block_size, torch.device("cpu"))
+        attention_batch = replace(
+            attention_batch, block_table=attention_batch.block_table.to(device),
+            slot_mapping=attention_batch.slot_mapping.to(device), seq_lens=attention_batch.seq_lens.to(device),
+            query_start_loc=attention_batch.query_start_loc.to(device),
+        )
+        attention.fill_graph_metadata(metadata, attention_batch)
+        pad = size - len(requests)
+
+        def padded(rows: list[torch.Tensor], pad: int = pad) -> torch.Tensor:
+            x = torch.cat(rows)
+            return torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen, dtype=x.dtype)]).to(dtype).to(device)
+
+        q = padded([r.q for r in requests])
+        k = padded([r.k[r.num_cached :] for r in requests])
+        v = padded([r.v[r.num_cached :] for r in requests])
+        out = attention.forward(q, k, v, kv_cache, metadata, scale)
+        backend.synchronize()
+        where = f"{backend.name}: graph metadata, step {step}, dtype {dtype}, {len(requests)} decodes + {pad} padding rows"
+        assert tuple(out.shape) == (size, NUM_HEADS, head_dim), f"{where}: output shape {tuple(out.shape)}"
+        out = out.cpu().double()
+        for index, r in enumerate(requests):
+            rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(),
+                                  r.v.to(dtype).double(), block_size)
+            expected = reference_attention(rounded, scale)
+            if not torch.allclose(out[index : index + 1], expected, atol=atol, rtol=rtol):
+                error = (out[index : index + 1] - expected).abs().max().item()
+                raise AssertionError(f"{where}: request {index} (cached {r.num_cached}) differs from the reference "
+                                     f"by up to {error:.3g}")
+        _check_cache(kv_cache.cpu(), before, requests, dtype, where)
+
+
 def _check_step(
     backend: BaseBackend,
     batch: tuple[tuple[int, int], ...],
@@ -256,15 +331,7 @@ def _check_step(
     layers = [_make_requests(batch, tables, head_dim, gen, block_size) for _ in range(NUM_LAYERS)]
     slices = [SequenceSlice(num_new, num_cached, list(table)) for (num_cached, num_new), table in zip(batch, tables)]
 
-    caches = []
-    for requests in layers:
-        cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        flat = cache.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, head_dim)
-        for r in requests:  # the cached context, as earlier steps would have written it
-            slots = torch.tensor([r.slot(p) for p in range(r.num_cached)], dtype=torch.int64)
-            flat[0, slots] = r.k[: r.num_cached].to(dtype)
-            flat[1, slots] = r.v[: r.num_cached].to(dtype)
-        caches.append(cache)
+    caches = [_cache_with_context(requests, block_size, head_dim, dtype, gen) for requests in layers]
     before = [c.clone() for c in caches]
     device_caches = [c.to(device) for c in caches]
 
@@ -357,8 +424,9 @@ def check_end_to_end(backend_cls: type[BaseBackend], work_dir, *, num_tokens: in
     # small blocks, so that contexts cross block boundaries (the smallest the attention takes)
     block_size = attention_block_size(backend_cls().create_attention())
     for label, name, plugins in (("cpu", "cpu", ()), (backend_cls.name, "under-check", (("under-check", _Plugin()),))):
+        # decode batches of 3 replay the graph of 4 (a padded row) where the backend has graphs
         config = EngineConfig(model=str(model_dir), dtype="float32", backend=name, num_kv_tokens=256,
-                              block_size=BLOCK_SIZE if name == "cpu" else block_size)
+                              block_size=BLOCK_SIZE if name == "cpu" else block_size, graph_sizes=(1, 4))
         engine = LLMEngine(config, create_plugin_manager(extra_plugins=plugins))
         ids = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
         done = {}

@@ -1,0 +1,124 @@
+"""Decode steps from device graphs (ember.graphs): the static tensors, padding and
+per-step refills a captured forward reads, checked on CPU tensors with the Triton
+attention under the interpreter.
+
+There are no device graphs on a CPU: here each "replay" runs the forward again
+(`ember.graphs.eager_capture`) through the same static tensors a CUDA graph would
+read, so what is checked is that those tensors carry each step's batch (a graph
+that read stale metadata would give other tokens). The capture itself
+(torch.cuda.CUDAGraph) runs only on a GPU (benchmarks/device_check.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU here
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ember import EngineConfig, SamplingParams
+from ember.engine import LLMEngine
+from ember.graphs import default_graph_sizes, eager_capture
+from ember.hardware.triton_attention import TritonAttention
+from ember.plugin import create_plugin_manager, hookimpl
+from ember.testing import check_graph_attention
+
+
+@pytest.fixture(scope="module")
+def interpreted_cuda():
+    return create_plugin_manager().registries.backends.get("cuda").interpreted()
+
+
+def _engine(model_dir, backend_cls, **engine_args) -> LLMEngine:
+    class Plugin:
+        @hookimpl
+        def ember_register_backends(self, registry):
+            registry.register("under-test", backend_cls)
+
+    config = EngineConfig(model=str(model_dir), dtype="float32", backend="under-test", num_kv_tokens=2048,
+                          block_size=16, **engine_args)
+    return LLMEngine(config, create_plugin_manager(extra_plugins=(("under-test", Plugin()),)))
+
+
+def _run(engine: LLMEngine) -> list[list[int]]:
+    """Requests that join and finish at different steps, so decode batches of 1 to 6
+    requests replay graphs of every captured size, with padding rows."""
+    prompts = [[(11 * i + j) % 250 + 3 for j in range(5 + 7 * i)] for i in range(6)]
+    ids = []
+    done = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+        ids.append(engine.add_request(None, params, prompt_token_ids=prompt))
+        for out in engine.step():  # one step between arrivals: prompts beside decodes
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
+    interpreted_cuda, tiny_llama_dir, caplog,
+):
+    with caplog.at_level(logging.INFO, logger="ember.graphs"):
+        graphed = _engine(tiny_llama_dir, interpreted_cuda, graph_sizes=(1, 2, 4, 8))
+    assert "captured 4 decode graphs (batch sizes 1,2,4,8) in" in caplog.text
+    graphs = graphed.runner.graphs
+    replays = {size: 0 for size in graphs.sizes}
+    for size, (replay, metadata) in list(graphs.graphs.items()):
+        def counting(replay=replay, size=size):
+            replays[size] += 1
+            return replay()
+
+        graphs.graphs[size] = (counting, metadata)
+    tokens = _run(graphed)
+    eager = _engine(tiny_llama_dir, interpreted_cuda, enforce_eager=True)
+    assert eager.runner.graphs is None
+    assert tokens == _run(eager)
+    assert all(replays[size] for size in (1, 2, 4, 8)), replays  # every size replayed, most of them padded
+
+
+def test_the_cpu_backend_has_no_graphs_and_graph_sizes_are_validated(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512))
+    assert engine.backend.graph_capture() is None and engine.runner.graphs is None
+    with pytest.raises(ValueError, match=r"graph_sizes must be positive integers, got \[4, 0\]"):
+        EngineConfig(graph_sizes=(4, 0))
+    assert EngineConfig(graph_sizes=(8, 1, 8)).graph_sizes == (1, 8)
+
+
+def test_default_graph_sizes():
+    assert default_graph_sizes(256) == (1, 2, 4, 8, *range(16, 257, 16))
+    assert default_graph_sizes(1024)[-1] == 256
+    assert default_graph_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert default_graph_sizes(3) == (1, 2, 3)
+
+
+class StaleSlots(TritonAttention):
+    """Refills the step's slots but leaves the padding rows' slots from the step
+    before: a replay would write those rows' K/V into another request's blocks."""
+
+    def fill_graph_metadata(self, metadata, batch):
+        n = batch.block_table.shape[0]
+        super().fill_graph_metadata(metadata, batch)
+        metadata.slot_mapping[n:] = torch.arange(n, metadata.slot_mapping.shape[0]) + 3
+
+
+def test_the_graph_check_catches_padding_that_writes_the_cache(interpreted_cuda):
+    check_graph_attention(interpreted_cuda(), padding=2)
+    leaky = type("Leaky", (interpreted_cuda,), {"create_attention": lambda self: StaleSlots()})
+    # caught in the output (a context slot overwritten) or in the cache (a slot nobody owns)
+    with pytest.raises(AssertionError, match="differs from the reference|changed that this step's tokens do not own"):
+        check_graph_attention(leaky(), padding=2)
+
+
+def test_eager_capture_runs_the_function_at_each_replay():
+    calls = []
+    replay = eager_capture(lambda: calls.append(1) or torch.ones(1))
+    replay()
+    assert len(calls) == 2
