@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from ember.api.cli_env import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, LOG_LEVELS, PROG, UsageError, apply_defaults,
-    parse_names, parse_size_option,
+    parse_graph_sizes, parse_names, parse_size_option,
 )
 from ember.api.commands import (
     print_error,
@@ -51,6 +51,13 @@ def _origins_argument(values: str) -> list[str]:
     if not origins:  # an empty --cors-allow-origin allows nothing: say so rather than ignore it
         raise argparse.ArgumentTypeError("expected an origin (scheme://host[:port]) or *")
     return origins
+
+
+def _graph_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return parse_graph_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _ExtendNames(argparse.Action):
@@ -114,6 +121,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--disable-chunked-prefill", action="store_true", default=None,
         help="prefill each prompt in one step (then --max-batch-prefill-tokens must cover --max-total-tokens) "
         "[EMBER_DISABLE_CHUNKED_PREFILL]",
+    )
+    group.add_argument(
+        "--cuda-graphs", metavar="SIZES", type=_graph_sizes, default=None,
+        help="decode batch sizes captured in device graphs, e.g. 1,2,4,8 (CUDA and ROCm: CUDA graphs); 0 turns "
+        "them off (default: 1,2,4,8 and every 16 up to --max-batch-size, at most 256) [EMBER_CUDA_GRAPHS]",
+    )
+    group.add_argument(
+        "--enforce-eager", action="store_true", default=None,
+        help="no device graphs: every step runs eagerly (as --cuda-graphs 0) [EMBER_ENFORCE_EAGER]",
     )
     production = parser.add_argument_group("production (docs/operations.md)")
     production.add_argument(

@@ -51,6 +51,19 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def parse_graph_sizes(text: str) -> tuple[int, ...]:
+    """TGI's --cuda-graphs: batch sizes separated by commas; 0 alone turns graphs off."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"expected batch sizes separated by commas (e.g. 1,2,4,8) or 0, got {text!r}") from None
+    if sizes == (0,):
+        return ()
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"expected positive batch sizes separated by commas (e.g. 1,2,4,8) or 0, got {text!r}")
+    return sizes
+
+
 @dataclass(frozen=True)
 class SecretOption:
     """An option whose empty value is a secret that failed to render, not "unset": an
@@ -121,6 +134,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "payload_limit": EnvOption("EMBER_PAYLOAD_LIMIT", int),
     "disable_prefix_caching": EnvOption("EMBER_DISABLE_PREFIX_CACHING", _parse_bool),
     "disable_chunked_prefill": EnvOption("EMBER_DISABLE_CHUNKED_PREFILL", _parse_bool),
+    "cuda_graphs": EnvOption("EMBER_CUDA_GRAPHS", parse_graph_sizes),
+    "enforce_eager": EnvOption("EMBER_ENFORCE_EAGER", _parse_bool),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
     "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
@@ -162,6 +177,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "payload_limit": 2_000_000,
     "disable_prefix_caching": False,
     "disable_chunked_prefill": False,
+    "cuda_graphs": None,  # None: the engine's default sizes where the device has graphs
+    "enforce_eager": False,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,
     "watermark_delta": None,

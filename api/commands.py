@@ -86,6 +86,8 @@ def run_serve(args: argparse.Namespace) -> int:
         processor_options=_watermark_options(args),
         enable_prefix_caching=not args.disable_prefix_caching,
         enable_chunked_prefill=not args.disable_chunked_prefill,
+        graph_sizes=args.cuda_graphs,
+        enforce_eager=args.enforce_eager,
         api_key=args.api_key,
         cors_allow_origins=tuple(args.cors_allow_origin),
         json_output=args.json_output,

@@ -73,6 +73,9 @@ class ServerSettings:
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # decode batch sizes in device graphs (TGI's --cuda-graphs; () turns them off); None: the engine's
+    graph_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
@@ -271,6 +274,10 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["max_num_seqs"] = settings.max_batch_size
     if settings.num_threads is not None:
         kwargs["num_threads"] = settings.num_threads
+    if settings.graph_sizes is not None:
+        kwargs["graph_sizes"] = settings.graph_sizes
+    if settings.enforce_eager:
+        kwargs["enforce_eager"] = True
     return kwargs
 
 

@@ -122,3 +122,16 @@ def test_eager_capture_runs_the_function_at_each_replay():
     replay = eager_capture(lambda: calls.append(1) or torch.ones(1))
     replay()
     assert len(calls) == 2
+
+
+def test_serve_flags_reach_the_engine_config():
+    from ember.api.cli_env import parse_graph_sizes
+    from ember.api.settings import ServerSettings, engine_config_kwargs
+
+    assert parse_graph_sizes("1,2, 8") == (1, 2, 8) and parse_graph_sizes("0") == ()
+    for bad in ("", "1,x", "-2", "0,4"):
+        with pytest.raises(ValueError, match="batch sizes separated by commas"):
+            parse_graph_sizes(bad)
+    kwargs = engine_config_kwargs(ServerSettings(graph_sizes=(1, 4), enforce_eager=True))
+    assert kwargs["graph_sizes"] == (1, 4) and kwargs["enforce_eager"] is True
+    assert "graph_sizes" not in engine_config_kwargs(ServerSettings())
