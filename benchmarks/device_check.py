@@ -13,8 +13,11 @@ with transformers holds for any weights).
    `generate` in static batches of 32 on the same device, in this run.
 4. Batch-1 decode tokens/s (256 tokens), Ember against transformers, and the share of
    the device's memory bandwidth it reaches (weight bytes per token x tokens/s over a
-   device-to-device copy's GB/s measured here). Ember has no device graphs yet, so
-   there is no with/without-graphs pair.
+   device-to-device copy's GB/s measured here); Ember with its decode graphs (the
+   default; their capture time reported) and with --enforce-eager, in this run.
+
+The attention in use (flash-attn where installed, else Triton) is recorded; set
+EMBER_ATTENTION=triton to measure the Triton kernels where flash-attn is installed.
 
     python benchmarks/device_check.py [--backend cuda] [--out $OUT/device_check.json]
     python benchmarks/device_check.py --dry-run   # the same steps, tiny, on the CPU backend
@@ -150,7 +153,16 @@ def main() -> int:
             return {"passed": True}
 
         step("conformance", conformance)
-        llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=min(2048, shapes["max_position_embeddings"]))
+        max_model_len = min(2048, shapes["max_position_embeddings"])
+        started = time.perf_counter()
+        llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len)
+        engine = llm.engine
+        result["attention"] = engine.runner.attention.name
+        result["startup_seconds"] = round(time.perf_counter() - started, 1)
+        result["graph_capture_seconds"] = engine.graph_capture_seconds
+        result["graph_sizes"] = list(engine.runner.graphs.sizes) if engine.runner.graphs else None
+        print(f"attention {result['attention']}; decode graphs {result['graph_sizes']} captured in "
+              f"{result['graph_capture_seconds']} s", flush=True)
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
         vocab = shapes["vocab_size"]
 
@@ -175,13 +187,19 @@ def main() -> int:
 
         def decode():
             ids = prompts(1, vocab, 7)
-            ember_tps, _ = ember_run(llm, ids, sizes["decode"])
+            ember_tps, graphed_tokens = ember_run(llm, ids, sizes["decode"])
+            eager_llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len,
+                            enforce_eager=True)
+            ember_run(eager_llm, ids, 4)  # warm-up
+            eager_tps, eager_tokens = ember_run(eager_llm, ids, sizes["decode"])
+            del eager_llm
             hf_tps, _ = hf_run(hf, ids, sizes["decode"], 1, device)
             weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
             bandwidth = copy_bandwidth(device)
             return {"ember_tokens_per_s": ember_tps, "transformers_tokens_per_s": hf_tps, "ratio": ember_tps / hf_tps,
                     "copy_gb_per_s": bandwidth, "bandwidth_share": weight_bytes * ember_tps / 1e9 / bandwidth,
-                    "graphs": "not implemented"}
+                    "eager_tokens_per_s": eager_tps, "graphs_over_eager": ember_tps / eager_tps,
+                    "graphs_tokens_equal_eager": graphed_tokens == eager_tokens}
 
         step("greedy_vs_transformers", greedy)
         step("offline", offline)
