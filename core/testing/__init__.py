@@ -3,14 +3,16 @@
     from ember.testing import check_backend, check_logits_processor
     check_backend(MyBackend)   # AssertionError naming the first broken rule
     check_logits_processor(MyProcessor, [SamplingParams(extra={"my_processor": 1})])
+    check_grammar_backend(MyGrammarBackend)
 """
 
 from ember.testing.backend_conformance import (
     check_attention, check_backend, check_backend_basics, check_end_to_end, check_graph_attention,
 )
+from ember.testing.grammar_conformance import check_grammar_backend
 from ember.testing.logits_processor_conformance import check_logits_processor
 
 __all__ = [
-    "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_graph_attention",
-    "check_logits_processor",
+    "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_grammar_backend",
+    "check_graph_attention", "check_logits_processor",
 ]
