@@ -109,6 +109,10 @@ class EngineConfig:
     # (`KVCacheTooSmallError`), as a server that promises that limit must. Off for
     # offline use, where a smaller cache only refuses the requests that do not fit.
     require_kv_for_max_model_len: bool = False
+    # Grammar-guided decoding (docs/grammar.md): the backend of requests that name none,
+    # and how long a request waits for its grammar to compile before it fails.
+    grammar_backend: str = "outlines"
+    grammar_compile_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(
@@ -119,6 +123,11 @@ class EngineConfig:
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.grammar_backend, str) or not self.grammar_backend:
+            raise ValueError(f"grammar_backend must be a grammar backend's name, got {self.grammar_backend!r}")
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

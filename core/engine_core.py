@@ -34,6 +34,8 @@ import torch
 from ember.backend import select_backend
 from ember.config import EngineConfig, SchedulerConfig
 from ember.engine_client import EngineStats, ModelInfo
+from ember.grammar import BaseCompiledGrammar, GrammarContext
+from ember.grammar_manager import GrammarManager
 from ember.graphs import default_graph_sizes
 from ember.kv_cache_manager import KVCacheManager
 from ember.kv_sizing import (
@@ -48,7 +50,7 @@ from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Request, RequestStatus, Scheduler
-from ember.step import SchedulerOutput, StepStats, record_step
+from ember.step import RequestMetrics, SchedulerOutput, StepStats, record_step
 from ember.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.weights import resolve_model
 
@@ -82,6 +84,7 @@ class _PendingGroup:
 
     request: EngineCoreRequest
     num_prompt_tokens: int
+    grammar: BaseCompiledGrammar | None = None  # the siblings' compiled constraint
 
 
 class EngineCore:
@@ -166,9 +169,15 @@ class EngineCore:
         self.graph_capture_seconds = self._capture_graphs(config, attention)
         # The step's slots for the plugin kinds built on it (ember.step): a speculator
         # proposes draft tokens per decoding request, a token masker gives allowed-token
-        # masks. Unset until those plugins exist; tests set fakes.
+        # masks. Unset until those plugins exist; tests set fakes. Grammar backends fill
+        # the mask slot through the grammar manager (constrained requests only).
         self.speculator = None
         self.token_masker = None
+        self.grammar = GrammarManager(
+            self.plugin_manager.registries.grammar_backends,
+            GrammarContext(self.tokenizer, self.hf_config.vocab_size, tuple(self.eos_token_ids)),
+            config.grammar_backend, config.grammar_compile_timeout_s,
+        )
         self._pending_groups: dict[str, _PendingGroup] = {}
         self.last_step_stats: StepStats | None = None
         logger.info(
@@ -235,21 +244,34 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a validated request (ValueError for an id in use or one that does not fit)."""
-        if request.request_id in self.scheduler.requests or request.request_id in self._pending_groups:
+        """Queue a validated request (ValueError for an id in use, one that does not fit,
+        or a constraint its grammar backend refuses). A constrained request waits in the
+        grammar manager until its grammar is compiled."""
+        rid = request.request_id
+        if rid in self.scheduler.requests or rid in self._pending_groups or rid in self.grammar.waiting:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.constraint is not None:
+            self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params))
+            self.grammar.submit(rid, request.params, request)
+            return
+        self._admit(request)
+
+    def _admit(self, request: EngineCoreRequest, grammar: BaseCompiledGrammar | None = None) -> None:
         if request.params.num_samples == 1:
-            self._add(request.request_id, request.prompt_token_ids, request.params, request.priority)
+            self._add(request.request_id, request.prompt_token_ids, request.params, request.priority, grammar)
             return
         self._add(child_id(request.request_id, 0), request.prompt_token_ids, child_params(request.params, 0),
-                  request.priority)
-        group = _PendingGroup(request, len(request.prompt_token_ids))
+                  request.priority, grammar)
+        group = _PendingGroup(request, len(request.prompt_token_ids), grammar)
         if self.kv_manager.enable_prefix_caching:
             self._pending_groups[request.request_id] = group
         else:
             self._admit_siblings(group)  # nothing to share: no reason to wait
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> None:
+    def _add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+        grammar: BaseCompiledGrammar | None = None,
+    ) -> None:
         self.scheduler.add_request(Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -257,11 +279,16 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
         ))
+        if grammar is not None:
+            self.grammar.add_matcher(request_id, grammar)
 
     def _admit_siblings(self, group: _PendingGroup) -> None:
         r = group.request
         for index in range(1, r.params.num_samples):
-            self._add(child_id(r.request_id, index), r.prompt_token_ids, child_params(r.params, index), r.priority)
+            self._add(
+                child_id(r.request_id, index), r.prompt_token_ids, child_params(r.params, index), r.priority,
+                group.grammar,
+            )
 
     def _admit_ready_siblings(self) -> None:
         for parent_id, group in list(self._pending_groups.items()):
@@ -278,6 +305,11 @@ class EngineCore:
         Unknown ids are skipped. Returns how many requests ended."""
         ended = 0
         for request_id in request_ids:
+            held = self.grammar.discard(request_id) if self.grammar.waiting else None
+            if held is not None:  # still waiting for its grammar
+                self._notify_unscheduled(held, "abort")
+                ended += 1
+                continue
             group = self._pending_groups.pop(request_id, None)
             if group is None:
                 ids = [request_id]
@@ -291,26 +323,27 @@ class EngineCore:
         return ended
 
     def abort_all(self) -> int:
-        ids = list(self._pending_groups) + list(self.scheduler.requests)
+        ids = list(self._pending_groups) + list(self.scheduler.requests) + self.grammar.waiting_ids()
         return self.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_groups)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_groups) or bool(self.grammar.waiting)
 
     # -- the step ---------------------------------------------------------------
     def step(self, with_stats: bool = True) -> EngineCoreOutputs:
         """Schedule, run the model once, and report what is new for each request
         that changed (and, ``with_stats``, the counts after the step)."""
         started_at = time.perf_counter()
+        outputs: list[EngineCoreOutput] = self._admit_compiled() if self.grammar.waiting else []
         if self.speculator is not None:
             self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
-        if self.token_masker is not None:
+        if self.token_masker is not None or self.grammar.matchers:
             scheduler_output = self._add_masks(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        grammar_errors = self._advance_grammars(updates) if self.grammar.matchers else None
         self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
-        outputs: list[EngineCoreOutput] = []
         prompt_lps_of = (
             dict(zip(runner_output.request_ids, runner_output.prompt_logprobs))
             if runner_output.prompt_logprobs else None
@@ -325,6 +358,7 @@ class EngineCore:
                 request.output_top_logprobs[len(request.output_top_logprobs) - n :] if asks_top else [],
                 self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)) if prompt_lps_of else [],
                 request.finish_reason, request.stop_token_id, request.metrics.copy(),
+                grammar_errors.get(request.request_id) if grammar_errors else None,
             ))
             if request.is_finished:
                 self._notify_finished(request)
@@ -348,18 +382,55 @@ class EngineCore:
                 )
 
     def _add_masks(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        masks: dict[str, torch.Tensor] = {}
-        for request_id in scheduler_output.sampling_request_ids:
-            request = self.scheduler.requests[request_id]
-            num_positions = 1 + len(scheduler_output.draft_token_ids.get(request_id, ()))
-            mask = self.token_masker.allowed_tokens(
-                request_id, request.prompt_token_ids, request.output_token_ids, num_positions
-            )
-            if mask is not None:
-                masks[request_id] = mask
+        masks: dict[str, torch.Tensor] = self.grammar.masks(scheduler_output) if self.grammar.matchers else {}
+        if self.token_masker is not None:
+            for request_id in scheduler_output.sampling_request_ids:
+                request = self.scheduler.requests[request_id]
+                num_positions = 1 + len(scheduler_output.draft_token_ids.get(request_id, ()))
+                mask = self.token_masker.allowed_tokens(
+                    request_id, request.prompt_token_ids, request.output_token_ids, num_positions
+                )
+                if mask is not None:
+                    masks[request_id] = mask
         return replace(scheduler_output, allowed_token_masks=masks)
 
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is ready; end those whose grammar failed
+        (their outputs, finish reason "error"). With nothing else to run, wait a little
+        for a compile rather than spin."""
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = self.grammar.collect(wait_s=0.05 if idle else 0.0)
+        for request, grammar in ready:
+            self._admit(request, grammar)
+        outputs = []
+        for request, message in failed:
+            for rid in self._notify_unscheduled(request, "error"):
+                metrics = RequestMetrics(finished_time=time.time())
+                outputs.append(EngineCoreOutput(rid, [], [], finish_reason="error", metrics=metrics, error=message))
+        return outputs
+
+    def _advance_grammars(self, updates) -> dict[str, str]:
+        """Advance the matchers by the step's tokens; a request whose grammar is complete
+        stops there (no EOS needed), one that broke its grammar ends with an error."""
+        finished, errors = self.grammar.advance(updates)
+        for request_id in finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        for request_id in errors:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        return errors
+
+    def _notify_unscheduled(self, request: EngineCoreRequest, finish_reason: str) -> list[str]:
+        """A request that ended before the scheduler saw it: the hook, per core request id."""
+        n = request.params.num_samples
+        ids = [request.request_id] if n == 1 else [child_id(request.request_id, i) for i in range(n)]
+        for rid in ids:
+            self.plugin_manager.hook.ember_request_finished(request_id=rid, finish_reason=finish_reason,
+                                                            num_output_tokens=0)
+        return ids
+
     def _notify_finished(self, request: Request) -> None:
+        if self.grammar.matchers:
+            self.grammar.release(request.request_id)
         self.plugin_manager.hook.ember_request_finished(
             request_id=request.request_id,
             finish_reason=request.finish_reason,

@@ -99,6 +99,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     metrics: RequestMetrics | None = None
+    # with finish reason "error": what went wrong for this request alone (its grammar)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -132,6 +134,7 @@ class _State:
     stop_string: str | None = None
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    error: str | None = None
     detokenize_time: float = 0.0
 
 
@@ -207,6 +210,7 @@ class OutputProcessor:
             if core_out.finished and state.finish_reason is None:
                 state.finish_reason = core_out.finish_reason
                 state.stop_token_id = core_out.stop_token_id
+                state.error = core_out.error
             if not core_out.new_token_ids and state.finish_reason is None and not core_out.new_prompt_logprobs:
                 continue
             started = time.perf_counter()
@@ -244,13 +248,13 @@ class OutputProcessor:
         if state.kind is OutputKind.DELTA:
             completion = CompletionOutput(
                 0, new_text, list(new_ids), state.finish_reason, stop_reason, list(core_out.new_logprobs), new_logprobs,
-                state.params.seed,
+                state.params.seed, state.error,
             )
             prompt_logprobs = new_prompt_logprobs
         else:
             completion = CompletionOutput(
                 0, state.text, list(state.token_ids), state.finish_reason, stop_reason, list(state.token_logprobs),
-                list(state.logprobs) if state.params.logprobs is not None else None, state.params.seed,
+                list(state.logprobs) if state.params.logprobs is not None else None, state.params.seed, state.error,
             )
             prompt_logprobs = list(state.prompt_logprobs) if state.params.prompt_logprobs is not None else None
         return RequestOutput(

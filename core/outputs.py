@@ -34,6 +34,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     # the seed this sequence was sampled with (a parallel-sampling child's own: seed + i)
     seed: int | None = None
+    # finish reason "error": why this sequence ended (e.g. its grammar could not be compiled)
+    error: str | None = None
 
     @property
     def cumulative_logprob(self) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+from ember.grammar import Constraint
 from ember.logprobs import MAX_LOGPROBS
 
 MAX_PARALLEL_SAMPLES = 16
@@ -51,6 +52,13 @@ class SamplingParams:
     sequence bans that token). `extra` switches on third-party processors: each key
     names a registered processor, its value is that processor's parameters.
 
+    `constraint` (an `ember.grammar.Constraint`: a JSON schema, a regex, a choice, a
+    grammar) restricts the output to what it matches (docs/grammar.md), compiled by the
+    grammar backend `grammar_backend` names (None: the engine's
+    `EngineConfig.grammar_backend`). A request whose output completes the grammar ends
+    there (finish reason "stop"); one whose grammar cannot be compiled ends with finish
+    reason "error" and the message in `CompletionOutput.error`.
+
     `logprobs=N` returns, per generated token, its logprob and rank and the N most
     likely alternatives; `prompt_logprobs=N` the same per prompt token (the first
     has none). Both in [0, MAX_LOGPROBS]; None (the default) costs nothing.
@@ -85,6 +93,9 @@ class SamplingParams:
     # How the n completions are chosen from best_of candidates: by "cumulative"
     # logprob (vLLM, OpenAI) or by "mean" logprob per token (TGI).
     best_of_ranking: str = "cumulative"
+    # Grammar-guided decoding (docs/grammar.md).
+    constraint: Constraint | None = None
+    grammar_backend: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
@@ -137,6 +148,13 @@ class SamplingParams:
             raise ValueError(f"best_of must be an integer in [n={self.n}, {MAX_PARALLEL_SAMPLES}], got {self.best_of!r}")
         if self.best_of_ranking not in ("cumulative", "mean"):
             raise ValueError(f"best_of_ranking must be 'cumulative' or 'mean', got {self.best_of_ranking!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(
+                f"constraint must be an ember.grammar.Constraint (e.g. Constraint.json_schema(schema)), "
+                f"got {self.constraint!r}"
+            )
+        if self.grammar_backend is not None and (not isinstance(self.grammar_backend, str) or not self.grammar_backend):
+            raise ValueError(f"grammar_backend must be None or a backend name, got {self.grammar_backend!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (

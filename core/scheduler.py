@@ -48,6 +48,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
     FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # ended by an error of its own (its grammar); the others go on
 
     @property
     def is_finished(self) -> bool:
@@ -58,6 +59,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
