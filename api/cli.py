@@ -285,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("name", metavar="NAME", help="a backend name (ember plugins lists them)")
     check.add_argument("--interpret", action="store_true", default=None,
-                       help="run a Triton backend's kernels on CPU tensors under Triton's interpreter")
+                       help="run a device backend on CPU tensors (its Triton kernels under Triton's interpreter; "
+                       "decode graphs replayed eagerly)")
     _add_plugin_arguments(check, with_required=False)
     check.set_defaults(handler=run_backends_check)
 

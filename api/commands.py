@@ -211,14 +211,17 @@ def run_backends_check(args: argparse.Namespace) -> int:
     if args.interpret:
         from ember.hardware.torch_device import TorchDeviceBackend
 
-        if not (issubclass(cls, TorchDeviceBackend) and cls.uses_triton):
-            print_error(f"--interpret runs the Triton kernels of a device backend; {args.name!r} has none")
+        if not issubclass(cls, TorchDeviceBackend):
+            print_error(f"--interpret runs a device backend (cuda, rocm, xpu, gaudi) on CPU tensors; "
+                        f"{args.name!r} is not one")
             return 2
         cls = cls.interpreted()
     elif not cls.is_available():
         print_error(f"backend {args.name!r} is not available on this machine: {cls.unavailable_reason()}")
         return 1
-    where = " (Triton interpreter, CPU tensors)" if args.interpret else ""
+    where = ""
+    if args.interpret:
+        where = " (Triton interpreter, CPU tensors)" if cls.uses_triton else " (CPU tensors)"
     try:
         check_backend(cls)
         print(f"{args.name}{where}: contract and attention conformance passed")

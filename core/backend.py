@@ -130,9 +130,10 @@ class BaseAttention(ABC):
     #: steps can then be captured in device graphs, ``ember.graphs``)
     supports_graphs: ClassVar[bool] = False
 
-    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> Any:
+    def graph_metadata(self, batch_size: int, max_blocks: int, block_size: int, device: torch.device) -> Any:
         """Metadata for a decode-only step of exactly ``batch_size`` requests (one
-        query token each) held in static tensors: the same objects on every step, so
+        query token each, at most ``max_blocks`` blocks of ``block_size`` tokens of
+        context) held in static tensors: the same objects on every step, so
         that a captured forward reads each step's values. Until filled, every row
         writes nothing (slot -1) and reads only valid cache slots."""
         raise NotImplementedError(f"{type(self).__name__} does not support device graphs")

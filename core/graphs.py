@@ -57,6 +57,7 @@ class DecodeGraphs:
         capture: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]],
         sizes: Sequence[int],
         max_blocks: int,
+        block_size: int,
         device: torch.device,
     ) -> None:
         if not sizes or min(sizes) < 1:
@@ -69,7 +70,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Callable[[], torch.Tensor], object]] = {}
         started = time.perf_counter()
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
-            metadata = attention.graph_metadata(size, max_blocks, device)
+            metadata = attention.graph_metadata(size, max_blocks, block_size, device)
             ids, positions = self.input_ids[:size], self.positions[:size]
 
             def forward(ids=ids, positions=positions, metadata=metadata) -> torch.Tensor:

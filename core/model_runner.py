@@ -279,7 +279,7 @@ class ModelRunner:
         with self._inference_mode:
             self.graphs = DecodeGraphs(
                 self.model, self.attention, self.kv_caches, capture, sizes or [1], self.batch.block_table.shape[1],
-                self.backend.device,
+                self.block_size, self.backend.device,
             )
         return self.graphs
 

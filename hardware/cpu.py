@@ -66,6 +66,8 @@ class CPUAttentionMetadata:
     tables_checked: bool = False  # decode tables checked against the cache (native kernel)
     # (num_decodes, 1, 1, max_blocks * block_size) bool, built on first use
     decode_mask: torch.Tensor | None = None
+    # a device graph's static metadata: rows with slot -1 are padding (graph_metadata)
+    padded: bool = False
 
     def mask(self) -> torch.Tensor:
         if self.decode_mask is None:
@@ -125,11 +127,51 @@ class CPUAttention(BaseAttention):
                 metadata.mask()
         return metadata
 
+    supports_graphs = True  # the PyTorch-ops path (Gaudi's HPU graphs); the CPU backend has no graphs
+
+    def graph_metadata(
+        self, batch_size: int, max_blocks: int, block_size: int, device: torch.device,
+    ) -> CPUAttentionMetadata:
+        """Decodes over tables of ``max_blocks`` blocks (the whole context a request
+        may have: fixed shapes, at the cost of masking what a shorter one leaves)."""
+        metadata = CPUAttentionMetadata(
+            torch.full((batch_size,), -1, dtype=torch.int64, device=device), None,
+            torch.zeros(batch_size, max_blocks, dtype=torch.int64, device=device),
+            torch.ones(batch_size, dtype=torch.int64, device=device), [], block_size, all_decode=True, padded=True,
+        )
+        metadata.mask()
+        return metadata
+
+    def fill_graph_metadata(self, metadata: CPUAttentionMetadata, batch: AttentionBatch) -> None:
+        n, width = batch.block_table.shape
+        metadata.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        metadata.slot_mapping[n:].fill_(-1)
+        metadata.decode_tables[:n, :width].copy_(batch.block_table, non_blocking=True)
+        metadata.decode_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        metadata.decode_lens[n:].fill_(1)  # padding reads position 0 of its row's first block
+        max_len = metadata.decode_mask.shape[-1]
+        torch.lt(torch.arange(max_len, device=batch.device)[None, :], metadata.decode_lens[:, None],
+                 out=metadata.decode_mask.view(-1, max_len))
+        metadata.tables_checked = False
+
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        flat_cache[0].index_copy_(0, metadata.slot_mapping, k.to(kv_cache.dtype))
-        flat_cache[1].index_copy_(0, metadata.slot_mapping, v.to(kv_cache.dtype))
+        slots = metadata.slot_mapping
+        kw, vw = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        if metadata.padded:
+            # In fixed shapes, padding rows (slot -1) write row 0's K/V to row 0's slot:
+            # duplicate indices with equal values, so the write stays exact. Before the
+            # first fill (capture) row 0 is padding too: it writes slot 0's own values back.
+            valid = slots >= 0
+            first = slots[:1].clamp(min=0)
+            first_valid = valid[:1, None, None]
+            k0 = torch.where(first_valid, kw[:1], flat_cache[0].index_select(0, first))
+            v0 = torch.where(first_valid, vw[:1], flat_cache[1].index_select(0, first))
+            slots = torch.where(valid, slots, first)
+            kw, vw = torch.where(valid[:, None, None], kw, k0), torch.where(valid[:, None, None], vw, v0)
+        flat_cache[0].index_copy_(0, slots, kw)
+        flat_cache[1].index_copy_(0, slots, vw)
         out = torch.empty_like(q)
         is_gqa = q.shape[1] != num_kv_heads
         # Prefill attention runs as one 4-D (batch 1) product: PyTorch's CPU flash

@@ -86,9 +86,11 @@ class FlashAttention(BaseAttention):
 
     supports_graphs = True
 
-    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> FlashAttentionMetadata:
+    def graph_metadata(
+        self, batch_size: int, max_blocks: int, block_size: int, device: torch.device,
+    ) -> FlashAttentionMetadata:
         seq_lens = torch.ones(batch_size, dtype=torch.int32, device=device)  # padding reads slot 0 of its block
-        fallback = self.fallback.graph_metadata(batch_size, max_blocks, device)
+        fallback = self.fallback.graph_metadata(batch_size, max_blocks, block_size, device)
         return FlashAttentionMetadata(
             None, fallback.slot_mapping, True, torch.zeros(batch_size, max_blocks, dtype=torch.int32, device=device),
             seq_lens, torch.arange(batch_size + 1, dtype=torch.int32, device=device),

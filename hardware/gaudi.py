@@ -1,7 +1,8 @@
 """Intel Gaudi, through its PyTorch bridge (``habana_frameworks.torch``), whose ``hpu``
 device module documents is_available, synchronize, memory_stats,
-reset_peak_memory_stats, memory_allocated and max_memory_allocated. Everything but
-the device checks and the memory query lives in ``ember.hardware.torch_device``.
+reset_peak_memory_stats, memory_allocated and max_memory_allocated, and whose
+``HPUGraph`` captures decode steps. Everything but the device checks, the memory
+query and the graph capture lives in ``ember.hardware.torch_device``.
 Written against Intel's documentation; no Gaudi has run it."""
 
 from __future__ import annotations
@@ -44,6 +45,32 @@ class GaudiBackend(TorchDeviceBackend):
 
     def synchronize(self) -> None:
         self.device_module().synchronize()
+
+    def graph_capture(self):
+        return HPUGraphCapture()
+
+
+class HPUGraphCapture:
+    """HPU graphs as Intel documents them for inference: ``fn`` runs once eagerly
+    (the bridge compiles its ops), then between ``capture_begin`` and ``capture_end``
+    of an ``HPUGraph`` on a side stream; ``replay`` reruns the captured work. The
+    attention it captures is the PyTorch-ops form over fixed-width block tables
+    (``CPUAttention.graph_metadata``)."""
+
+    def __call__(self, fn):
+        ht = importlib.import_module("habana_frameworks.torch")
+        fn()
+        graph, stream = ht.hpu.HPUGraph(), ht.hpu.Stream()
+        with ht.hpu.stream(stream):
+            graph.capture_begin()
+            out = fn()
+            graph.capture_end()
+
+        def replay():
+            graph.replay()
+            return out
+
+        return replay
 
 
 @hookimpl

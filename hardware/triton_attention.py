@@ -238,7 +238,9 @@ class TritonAttention(BaseAttention):
 
     supports_graphs = True
 
-    def graph_metadata(self, batch_size: int, max_blocks: int, device: torch.device) -> TritonAttentionMetadata:
+    def graph_metadata(
+        self, batch_size: int, max_blocks: int, block_size: int, device: torch.device,
+    ) -> TritonAttentionMetadata:
         rows = torch.arange(batch_size, device=device)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return TritonAttentionMetadata(

@@ -121,8 +121,11 @@ def test_ember_backends_check(capsys):
         assert "backend 'cuda' is not available on this machine" in capsys.readouterr().err
     assert main(["backends", "check", "nope"]) == 2
     assert "no backend named 'nope'; registered: cpu, cuda" in capsys.readouterr().err
-    assert main(["backends", "check", "gaudi", "--interpret"]) == 2
-    assert "'gaudi' has none" in capsys.readouterr().err
+    # Gaudi's PyTorch-ops attention and its fixed-shape graph form, on CPU tensors
+    assert main(["backends", "check", "gaudi", "--interpret"]) == 0
+    assert "gaudi (CPU tensors): greedy tokens on a tiny Llama equal the CPU backend's" in capsys.readouterr().out
+    assert main(["backends", "check", "cpu", "--interpret"]) == 2
+    assert "'cpu' is not one" in capsys.readouterr().err
 
 
 def test_the_end_to_end_check_catches_an_attention_that_forgets_the_context(tmp_path):

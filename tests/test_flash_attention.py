@@ -26,7 +26,7 @@ from ember.hardware.cpu import CPUAttention
 from ember.hardware.flash_attention import FlashAttention
 from ember.hardware.triton_attention import TritonAttention
 from ember.plugin import create_plugin_manager
-from ember.testing import check_backend
+from ember.testing import check_backend_basics, check_graph_attention
 from ember.testing.backend_conformance import check_attention
 
 
@@ -47,13 +47,25 @@ def no_flash_attn(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
 
 
-def test_the_adapter_passes_the_conformance_kit_through_flash_attns_documented_api(backends, flash_attn):
-    """float16/bfloat16 through the two entry points with 256-token pages (the kit
-    scales its mixed batch so that contexts still cross pages); float32, which
-    flash-attn does not take, through the Triton kernels."""
-    cls = backends.get("cuda").interpreted()
-    assert isinstance(cls().create_attention(), FlashAttention)
-    check_backend(cls, head_dim=64)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_adapter_passes_the_conformance_kit_through_flash_attns_documented_api(backends, flash_attn, dtype):
+    """Both entry points with 256-token pages (the kit scales its mixed batch so that
+    contexts still cross pages), and the static form decode graphs capture."""
+    backend = backends.get("cuda").interpreted()()
+    assert isinstance(backend.create_attention(), FlashAttention)
+    check_attention(backend, dtype=dtype)
+    check_graph_attention(backend, dtype=dtype)
+
+
+def test_float32_which_flash_attn_does_not_take_runs_the_triton_kernels(backends, flash_attn, caplog):
+    """The contract (check_backend_basics) and a float32 decode batch through the
+    graph form, whose layers fall back to the Triton kernels (their float32 prompts
+    and chunks at 256-token blocks are the same kernels test_triton_attention.py
+    checks at 4- and 16-token blocks)."""
+    backend = check_backend_basics(backends.get("cuda").interpreted())
+    with caplog.at_level(logging.INFO, logger="ember.hardware.flash_attention"):
+        check_graph_attention(backend, dtype=torch.float32)
+    assert "attention: torch.float32 (flash-attn runs float16 and bfloat16) runs the Triton kernels" in caplog.text
 
 
 def test_an_adapter_that_ignores_the_cached_context_fails_the_kit(backends, flash_attn, monkeypatch):
@@ -114,7 +126,8 @@ def _generate(model_dir, backend_cls, dtype, **engine_args):
         def ember_register_backends(self, registry):
             registry.register("under-test", backend_cls)
 
-    config = EngineConfig(model=str(model_dir), dtype=dtype, backend="under-test", **engine_args)
+    # decode graphs of 1 and 4 (eager replays here): more would cost minutes of interpreted capture
+    config = EngineConfig(model=str(model_dir), dtype=dtype, backend="under-test", graph_sizes=(1, 4), **engine_args)
     engine = LLMEngine(config, create_plugin_manager(extra_plugins=(("under-test", Plugin()),)))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     # a long prompt beside short ones: varlen steps with several requests, then decode-only steps

@@ -1,6 +1,6 @@
 """Decode steps from device graphs (ember.graphs): the static tensors, padding and
 per-step refills a captured forward reads, checked on CPU tensors with the Triton
-attention under the interpreter.
+attention under the interpreter and with the PyTorch-ops attention Gaudi runs.
 
 There are no device graphs on a CPU: here each "replay" runs the forward again
 (`ember.graphs.eager_capture`) through the same static tensors a CUDA graph would
@@ -33,6 +33,12 @@ def interpreted_cuda():
     return create_plugin_manager().registries.backends.get("cuda").interpreted()
 
 
+@pytest.fixture(scope="module", params=["cuda", "gaudi"])
+def interpreted(request):
+    """cuda's Triton attention, and gaudi's PyTorch-ops attention (fixed-width tables)."""
+    return create_plugin_manager().registries.backends.get(request.param).interpreted()
+
+
 def _engine(model_dir, backend_cls, **engine_args) -> LLMEngine:
     class Plugin:
         @hookimpl
@@ -63,11 +69,9 @@ def _run(engine: LLMEngine) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
-    interpreted_cuda, tiny_llama_dir, caplog,
-):
+def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(interpreted, tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="ember.graphs"):
-        graphed = _engine(tiny_llama_dir, interpreted_cuda, graph_sizes=(1, 2, 4, 8))
+        graphed = _engine(tiny_llama_dir, interpreted, graph_sizes=(1, 2, 4, 8))
     assert "captured 4 decode graphs (batch sizes 1,2,4,8) in" in caplog.text
     graphs = graphed.runner.graphs
     replays = {size: 0 for size in graphs.sizes}
@@ -78,7 +82,7 @@ def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
 
         graphs.graphs[size] = (counting, metadata)
     tokens = _run(graphed)
-    eager = _engine(tiny_llama_dir, interpreted_cuda, enforce_eager=True)
+    eager = _engine(tiny_llama_dir, interpreted, enforce_eager=True)
     assert eager.runner.graphs is None
     assert tokens == _run(eager)
     assert all(replays[size] for size in (1, 2, 4, 8)), replays  # every size replayed, most of them padded

@@ -270,7 +270,7 @@ def check_graph_attention(
     decodes = tuple(r for r in MIXED_BATCH if r[0] > 0 and r[1] == 1)
     size = len(decodes) + padding
     max_blocks = NUM_BLOCKS // 2
-    metadata = attention.graph_metadata(size, max_blocks, device)
+    metadata = attention.graph_metadata(size, max_blocks, block_size, device)
     # the second step: other requests, one fewer, longer contexts; the same static metadata
     for step, batch in enumerate((decodes, tuple((c + 5, 1) for c, _ in decodes[1:]))):
         batch = scale_batch(batch, block_size // BLOCK_SIZE)
