@@ -72,7 +72,13 @@ def ember_register_speculators(registry: Registry) -> None:
 
 @hookspec
 def ember_register_grammar_backends(registry: Registry) -> None:
-    """Register grammar-guided decoding backends by name (contract filled by a later issue)."""
+    """Register grammar-guided decoding backends: ``registry.register(MyBackend.name, MyBackend)``.
+
+    Values are subclasses of :class:`ember.grammar.BaseGrammarBackend`; the engine
+    builds one per tokenizer the first time a request asks for it (by
+    ``SamplingParams.grammar_backend``, else ``EngineConfig.grammar_backend``) and
+    compiles constraints on worker threads (docs/grammar.md).
+    """
 
 
 @hookspec
