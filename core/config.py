@@ -105,6 +105,9 @@ class EngineConfig:
     # () or enforce_eager: none (every step eager, as vLLM's --enforce-eager)
     graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
+    # Speculative decoding (docs/speculative.md): an ember.speculative.SpeculativeConfig,
+    # a mapping of its fields or their JSON (vLLM's --speculative-config); None: off
+    speculative_config: Any = None
     # Refuse a KV cache that cannot hold one request of max_model_len tokens
     # (`KVCacheTooSmallError`), as a server that promises that limit must. Off for
     # offline use, where a smaller cache only refuses the requests that do not fit.
@@ -133,6 +136,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         CacheConfig(16 if self.block_size is None else self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)
+        if self.speculative_config is not None:
+            from ember.speculative import SpeculativeConfig
+
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.graph_sizes is not None:
             sizes = tuple(self.graph_sizes)
             if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):

@@ -50,6 +50,7 @@ from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
 from ember.sampling_params import SamplingParams
 from ember.scheduler import Request, RequestStatus, Scheduler
+from ember.speculative import SpeculativeDecoder, SpeculatorContext, SpecRequest, create_speculator
 from ember.step import RequestMetrics, SchedulerOutput, StepStats, record_step
 from ember.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.weights import resolve_model
@@ -167,11 +168,21 @@ class EngineCore:
             vocab_size=self.hf_config.vocab_size,
         )
         self.graph_capture_seconds = self._capture_graphs(config, attention)
-        # The step's slots for the plugin kinds built on it (ember.step): a speculator
-        # proposes draft tokens per decoding request, a token masker gives allowed-token
-        # masks. Unset until those plugins exist; tests set fakes. Grammar backends fill
-        # the mask slot through the grammar manager (constrained requests only).
-        self.speculator = None
+        # The step's slots for the plugin kinds built on it (ember.step): the
+        # speculative decoder (config.speculative_config, ember.speculative) proposes
+        # draft tokens per decoding request; a token masker gives allowed-token masks
+        # (tests set fakes). Grammar backends fill the mask slot through the grammar
+        # manager (constrained requests only).
+        self.speculator: SpeculativeDecoder | None = None
+        if config.speculative_config is not None:
+            self.speculator = create_speculator(
+                self.plugin_manager.registries.speculators, config.speculative_config,
+                SpeculatorContext(
+                    config.speculative_config, self.hf_config.vocab_size, tuple(self.eos_token_ids), self.model_dir,
+                    self.hf_config, self.dtype, self.backend, self.model, architectures, self.tokenizer,
+                ),
+            )
+            self.runner.collect_hidden = self.speculator.uses_hidden_states
         self.token_masker = None
         self.grammar = GrammarManager(
             self.plugin_manager.registries.grammar_backends,
@@ -345,7 +356,11 @@ class EngineCore:
         grammar_errors = self._advance_grammars(updates) if self.grammar.matchers else None
         self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
         prompt_lps_of = (
+        if self.speculator is not None and scheduler_output.draft_token_ids:
+            scheduler_output = self._add_draft_probs(scheduler_output)
             dict(zip(runner_output.request_ids, runner_output.prompt_logprobs))
+        if self.speculator is not None:
+            self._observe_drafts(scheduler_output, runner_output)
             if runner_output.prompt_logprobs else None
         )
         for update in updates:
@@ -375,11 +390,43 @@ class EngineCore:
         return request.prompt_logprobs[sent:]
 
     def _propose_drafts(self) -> None:
-        for request in self.scheduler.running:
-            if request.num_computed_tokens == request.num_tokens - 1:  # decoding
-                request.draft_token_ids = list(
-                    self.speculator.propose(request.request_id, request.prompt_token_ids, request.output_token_ids)
-                )
+        """Ask the speculator for the decoding requests' drafts; the scheduler trims
+        them to what fits the step (budget, context, max_tokens)."""
+        running = self.scheduler.running
+        hidden = self.runner.last_hidden if self.speculator.uses_hidden_states else None
+        candidates = [
+            SpecRequest(
+                r.request_id, r.prompt_token_ids, r.output_token_ids,
+                min(self.max_model_len - r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens - 1),
+                r.sampling_params.temperature, hidden.get(r.request_id) if hidden else None,
+            )
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1  # decoding
+        ]
+        proposals = self.speculator.propose(candidates, len(running))
+        for request in running:
+            proposal = proposals.get(request.request_id)
+            request.draft_token_ids = list(proposal.token_ids) if proposal is not None else []
+
+    def _add_draft_probs(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The distributions sampled drafts were drawn from, for the runner's
+        rejection sampling (deterministic proposals have none)."""
+        proposals = self.speculator.last_proposals
+        probs = {
+            request_id: proposals[request_id].probs[: len(drafts)]
+            for request_id, drafts in scheduler_output.draft_token_ids.items()
+            if request_id in proposals and proposals[request_id].probs is not None
+        }
+        return replace(scheduler_output, draft_probs=probs) if probs else scheduler_output
+
+    def _observe_drafts(self, scheduler_output: SchedulerOutput, runner_output) -> None:
+        drafts = scheduler_output.draft_token_ids
+        if drafts and runner_output.num_accepted:
+            for request_id, accepted in zip(runner_output.request_ids, runner_output.num_accepted):
+                proposed = len(drafts.get(request_id, ()))
+                if proposed:
+                    self.speculator.observe(request_id, proposed, accepted)
+        self.speculator.step_done(bool(drafts))
 
     def _add_masks(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         masks: dict[str, torch.Tensor] = self.grammar.masks(scheduler_output) if self.grammar.matchers else {}
@@ -436,6 +483,8 @@ class EngineCore:
             finish_reason=request.finish_reason,
             num_output_tokens=request.num_output_tokens,
         )
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
 
 
 def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:

@@ -270,6 +270,11 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, seed, greedy_op=backend.greedy_op(), pipeline=self.logits_pipeline)
         self._inference_mode = torch.inference_mode()  # not re-entered: execute checks first
         self.graphs: DecodeGraphs | None = None  # decode steps from device graphs (capture_graphs)
+        # for speculators that read the target's hidden states (Medusa, EAGLE): each
+        # request's hidden state at the position its last emitted token was sampled
+        # from, kept when collect_hidden is set
+        self.collect_hidden = False
+        self.last_hidden: dict[str, torch.Tensor] = {}
 
     def capture_graphs(self, capture, sizes) -> DecodeGraphs:
         """Capture decode-only forward passes of ``sizes`` requests with the backend's
@@ -287,6 +292,7 @@ class ModelRunner:
         batch = self.batch
         for request_id in scheduler_output.finished_request_ids:
             batch.remove(request_id)
+            self.last_hidden.pop(request_id, None)
             self.sampler.remove_request(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             batch.remove(request_id)  # back as a NewRequest; processors keep their state
@@ -391,19 +397,29 @@ class ModelRunner:
                 num_accepted.append(0)
                 continue
             ids = token_ids[first : first + num_positions]
-            # accept drafts while the target model's own choice agrees: each emitted
-            # token is the target's sample given the tokens before it (exact for
-            # greedy; under sampling every emitted token is still the target's draw)
+            lps = logprobs[first : first + num_positions]
             accepted = 0
-            if request.draft_token_ids:
+            draft_probs = scheduler_output.draft_probs.get(request.request_id) if scheduler_output.draft_probs else None
+            if draft_probs is not None and not request.params.is_greedy:
+                # drafts sampled from q: rejection sampling against the target's p
+                accepted, ids, lps = self._verify_sampled_drafts(
+                    request, draft_probs, sampled.processed[first : first + num_positions], rows[first], ids, lps,
+                )
+            elif request.draft_token_ids:
+                # deterministic drafts (a point mass q): accept while the target's own
+                # choice agrees. Exact for greedy; under sampling a draft d is kept with
+                # probability p(d) and the first disagreement is a draw from p given
+                # "not d", which is rejection sampling's residual for a point mass
                 for proposed, chosen in zip(request.draft_token_ids, ids):
                     if proposed != chosen:
                         break
                     accepted += 1
             emit = accepted + 1
+            if self.collect_hidden:
+                self.last_hidden[request.request_id] = hidden[sample_rows[first + accepted]].clone()
             batch.append(request, ids[:emit])
             out_ids.append(ids[:emit])
-            out_lps.append(logprobs[first : first + emit])
+            out_lps.append(lps[:emit])
             if out_top is not None:
                 out_top.append([t for t in top[first : first + emit] if t is not None] if top[first] is not None else [])
             num_accepted.append(accepted)
@@ -420,6 +436,39 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             num_accepted=num_accepted,
         )
+
+    def _verify_sampled_drafts(
+        self, request: RunnerRequest, draft_probs: torch.Tensor, processed: torch.Tensor, row: SamplingRow,
+        ids: list[int], lps: list[float],
+    ) -> tuple[int, list[int], list[float]]:
+        """Rejection sampling (Leviathan et al., Chen et al.): draft ``d_j`` drawn from
+        ``q_j`` is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first
+        rejected position draws from ``max(0, p_j - q_j)`` normalised; when every
+        draft is kept, the target's own draw at the last position (``ids[-1]``)
+        follows. ``processed``: the target's processed logits at the request's
+        positions. Returns (accepted, emitted ids, their log-probabilities under p)."""
+        drafts = request.draft_token_ids
+        k = len(drafts)
+        logp = torch.log_softmax(processed.float(), dim=-1)
+        p = logp.exp()
+        q = draft_probs.to(p.device, torch.float32)
+        index = torch.arange(k, device=p.device)
+        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=p.device)
+        p_d, q_d = p[index, draft_ids], q[index, draft_ids]
+        generator = self.sampler.generator(row, p.device)
+        uniform = torch.rand(k, generator=generator, device=p.device)
+        keep = (uniform * q_d <= p_d).tolist()  # u < p/q, without dividing by a zero q
+        accepted = next((j for j, kept in enumerate(keep) if not kept), k)
+        if accepted == k:
+            return k, list(drafts) + ids[k : k + 1], logp[index, draft_ids].tolist() + lps[k : k + 1]
+        residual = (p[accepted] - q[accepted]).clamp_min_(0)
+        total = residual.sum()
+        if not total > 0:  # p <= q everywhere only when p == q: then nothing is rejected; guard rounding
+            residual, total = p[accepted], p[accepted].sum()
+        token = int(torch.multinomial(residual / total, 1, generator=generator))
+        emitted = list(drafts[:accepted]) + [token]
+        return accepted, emitted, logp[torch.arange(accepted + 1, device=p.device),
+                                       torch.tensor(emitted, device=p.device)].tolist()
 
     @staticmethod
     def _apply_masks(

@@ -191,6 +191,13 @@ class Sampler:
             noise[j].exponential_(generator=self._request_generator(rows[j], device))
         return noise.clamp_min_(_MIN_NOISE)
 
+    def generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        """The generator ``row``'s draws come from: its request's own when seeded, else
+        the shared one (speculative decoding's acceptance tests draw from it too)."""
+        if row.params.seed is not None:
+            return self._request_generator(row, device)
+        return self._shared_generator(device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
         if gen is None:

@@ -88,6 +88,9 @@ class SchedulerOutput:
     # chunk of their prompt only).
     sampling_request_ids: frozenset[str] = frozenset()
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # for drafts a speculator sampled: the distribution each was drawn from, (k, vocab)
+    # float32 (ember.speculative.Proposal.probs); absent for deterministic drafts
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     allowed_token_masks: dict[str, torch.Tensor] = field(default_factory=dict)
     # Left the runner's batch since the last step: finished or aborted (the runner
     # drops their state for good) and preempted (they come back as NewRequest).

@@ -22,6 +22,7 @@ from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_kernels import (
     PackedLinear,
+    RowInvariantLinear,
     SmallBatchLinear,
     onednn_linear,
     onednn_linear_works,
@@ -93,11 +94,32 @@ class CPUAttention(BaseAttention):
 
     name = "cpu"
 
-    def __init__(self, kernels=None) -> None:
+    def __init__(self, kernels=None, row_invariant: bool = False) -> None:
         self.kernels = kernels
+        # every token attends as a decode of its own (EMBER_BATCH_INVARIANT): the same
+        # numbers whether it is computed in a prompt, a chunk, a verification or alone
+        self.row_invariant = row_invariant
+
+    def _rows_as_decodes(self, batch: AttentionBatch) -> CPUAttentionMetadata:
+        requests, lens = [], []
+        for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
+            requests.extend([i] * num_query)
+            lens.extend(range(start + 1, start + num_query + 1))
+        device = batch.device
+        index = torch.tensor(requests, dtype=torch.int64, device=device)
+        metadata = CPUAttentionMetadata(
+            batch.slot_mapping, torch.arange(len(lens), device=device),
+            _decode_tables(batch.block_table[index], max(lens) - 1, batch.block_size),
+            torch.tensor(lens, dtype=torch.int64, device=device), [], batch.block_size,
+        )
+        if self.kernels is None:
+            metadata.mask()
+        return metadata
 
     def prepare(self, batch: AttentionBatch) -> CPUAttentionMetadata:
         block_size, n = batch.block_size, len(batch.query_lens)
+        if self.row_invariant and n:
+            return self._rows_as_decodes(batch)
         if n and sum(batch.query_lens) == n and min(batch.start_positions) > 0:  # decodes only: the common step
             tables = _decode_tables(batch.block_table, max(batch.start_positions), block_size)
             metadata = CPUAttentionMetadata(batch.slot_mapping, None, tables, batch.seq_lens, [], block_size, True)
@@ -345,6 +367,8 @@ class CPUBackend(BaseBackend):
         return torch.bfloat16 if self.path == "bf16" else torch.float32
 
     def linear_op(self):
+        if self.batch_invariant:
+            return RowInvariantLinear(cpu_kernels.load())
         # oneDNN's linear beat F.linear (MKL sgemm) at every batch size measured on a
         # 2-core AVX2 EPYC: 1 row 30 vs 38 ms, 32 rows 105 vs 139 ms, 128 rows 258 vs
         # 307 ms per SmolLM2 forward's projections. Private op: F.linear where absent.
@@ -353,7 +377,7 @@ class CPUBackend(BaseBackend):
         return F.linear
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
-        if dtype != torch.bfloat16:
+        if dtype != torch.bfloat16 or self.batch_invariant:
             return
         if self.compute_dtype(dtype) == torch.bfloat16:
             self._pack_weights(model)
@@ -462,7 +486,23 @@ class CPUBackend(BaseBackend):
         return kernels.greedy if kernels is not None else None
 
     def create_attention(self) -> BaseAttention:
-        return CPUAttention(cpu_kernels.load())
+        return CPUAttention(cpu_kernels.load(), row_invariant=self.batch_invariant)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """``EMBER_BATCH_INVARIANT=1``: every token's numbers independent of what shares
+        its step (its batch mates, its prompt's chunking, draft positions beside it,
+        a recomputation after preemption): row-by-row products and decode-style
+        attention for every token. Slower; for checking that scheduling and
+        speculation never change outputs (docs/speculative.md)."""
+        value = os.environ.get("EMBER_BATCH_INVARIANT", "0").strip()
+        if value not in ("0", "1", ""):
+            raise ValueError(f"EMBER_BATCH_INVARIANT must be 0 or 1, got {value!r}")
+        if value == "1" and not getattr(self, "_said_invariant", False):
+            self._said_invariant = True
+            logger.info("cpu backend: batch-invariant mode (EMBER_BATCH_INVARIANT=1): row-by-row products, "
+                        "every token's attention as a decode")
+        return value == "1"
 
 
 def cpu_thread_count(sys_root: str = "/sys") -> int:

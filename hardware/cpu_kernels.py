@@ -392,6 +392,28 @@ class SmallBatchLinear:
         return self.base(x, weight, bias)
 
 
+class RowInvariantLinear:
+    """Batch-invariant products (``EMBER_BATCH_INVARIANT=1``): each row of ``x @ w.T``
+    comes out bit for bit as it would alone, whatever the other rows. bf16 weights go
+    through the native kernel, whose every output is one row's dot product in a fixed
+    order (reading the weights once for all rows); other weights run one row at a time
+    (PyTorch's GEMM picks its blocking, hence its summation order, by the number of
+    rows). Slower for prefill: what it buys is outputs that do not depend on batching,
+    chunking or speculation."""
+
+    def __init__(self, kernels=None) -> None:
+        self.kernels = kernels
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if (self.kernels is not None and weight.dtype == torch.bfloat16 and rows.dtype in KERNEL_DTYPES
+                and (bias is None or bias.dtype == rows.dtype)):
+            out = self.kernels.gemv_bf16(rows, weight, bias)
+        else:
+            out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _typed(lib: ctypes.CDLL, name: str, argtypes: list, bf16_name: str | None = None) -> dict[torch.dtype, object]:
     """``{torch.float32: name, torch.bfloat16: name_bf16}`` (or ``bf16_name``) with
     their argument types."""

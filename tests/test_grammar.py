@@ -20,6 +20,7 @@ from ember import LLM, SamplingParams
 from ember.grammar import Constraint, ConstraintKind, GrammarContext, GrammarError, UnsupportedFeatureError
 from ember.grammar_vocab import decode_token_bytes
 from ember.plugin import create_plugin_manager
+from ember.speculative import BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext
 from ember.plugins.grammar.outlines_backend import OutlinesBackend, OutlinesMatcher
 from ember.plugins.grammar.xgrammar_backend import XGrammarBackend
 from ember.testing import check_grammar_backend
@@ -329,20 +330,31 @@ def test_preempted_grammar_requests_resume_where_they_were(tiny_llama_dir, llm):
     assert all(c.finish_reason == "stop" and _matches(params.constraint, c.text) for c in got)
 
 
-class GreedySpeculator:
+class GreedySpeculator(BaseSpeculator):
     """Proposes the known greedy continuation with every other draft corrupted
     (outside the grammar, often), so masks walk accepted and refused drafts."""
 
+    name = "greedy-oracle"
+
     def __init__(self, continuations: dict[tuple, list[int]], k: int = 3) -> None:
+        super().__init__(SpeculatorContext(SpeculativeConfig(self.name, k), 1 << 20, ()))
         self.continuations, self.k, self.calls = continuations, k, 0
 
-    def propose(self, request_id, prompt_token_ids, output_token_ids):
-        self.calls += 1
-        truth = self.continuations[tuple(prompt_token_ids)]
-        draft = list(truth[len(output_token_ids) : len(output_token_ids) + self.k])
-        if self.calls % 2 and draft:
-            draft[-1] = (draft[-1] + 7) % 256
-        return draft
+    def propose(self, requests):
+        proposals = []
+        for r in requests:
+            self.calls += 1
+            truth = self.continuations[tuple(r.prompt_token_ids)]
+            n = len(r.output_token_ids)
+            draft = list(truth[n : n + self.k])
+            if self.calls % 2 and draft:
+                draft[-1] = (draft[-1] + 7) % 256
+            proposals.append(Proposal(draft))
+        return proposals
+
+    def decoder(self) -> SpeculativeDecoder:
+        return SpeculativeDecoder(self, SpeculativeConfig(self.name, self.k, disable_by_batch_size=None,
+                                                          min_acceptance_rate=0.0))
 
 
 def test_draft_tokens_are_masked_and_rolled_back(llm):
@@ -352,7 +364,7 @@ def test_draft_tokens_are_masked_and_rolled_back(llm):
     reference = llm.generate(prompt_token_ids=ids, sampling_params=params)
     llm.engine.core.speculator = GreedySpeculator(
         {tuple(i): o.outputs[0].token_ids for i, o in zip(ids, reference)}
-    )
+    ).decoder()
     try:
         got = llm.generate(prompt_token_ids=ids, sampling_params=params)
     finally:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.speculative import BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext
 from ember.step import ModelRunnerOutput, SchedulerOutput
 
 from tiny_models import make_tiny_model
@@ -83,21 +84,33 @@ def test_a_runner_fed_only_pickled_copies_gives_the_same_tokens(llm):
     assert seen["new"] == len(PROMPTS) and seen["cached"] >= seen["steps"] - 1
 
 
-class OracleSpeculator:
+class OracleSpeculator(BaseSpeculator):
     """Proposes the true greedy continuation (known from a run without speculation),
     with every ``wrong_every``-th proposal corrupted."""
 
+    name = "oracle"
+
     def __init__(self, continuations: dict[tuple, list[int]], k: int, wrong_every: int = 0) -> None:
+        super().__init__(SpeculatorContext(SpeculativeConfig("oracle", k), 1 << 20, ()))
         self.continuations, self.k, self.wrong_every = continuations, k, wrong_every
         self.calls = 0
 
-    def propose(self, request_id, prompt_token_ids, output_token_ids):
-        self.calls += 1
-        truth = self.continuations[tuple(prompt_token_ids)]
-        draft = list(truth[len(output_token_ids) : len(output_token_ids) + self.k])
-        if self.wrong_every and self.calls % self.wrong_every == 0 and draft:
-            draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 256
-        return draft
+    def propose(self, requests):
+        proposals = []
+        for r in requests:
+            self.calls += 1
+            truth = self.continuations[tuple(r.prompt_token_ids)]
+            n = len(r.output_token_ids)
+            draft = list(truth[n : n + self.k])
+            if self.wrong_every and self.calls % self.wrong_every == 0 and draft:
+                draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 256
+            proposals.append(Proposal(draft))
+        return proposals
+
+    def decoder(self) -> SpeculativeDecoder:
+        """Offered to every request every step (no batch-size or acceptance limits)."""
+        return SpeculativeDecoder(self, SpeculativeConfig(
+            "oracle", self.k, disable_by_batch_size=None, min_acceptance_rate=0.0))
 
 
 @pytest.mark.parametrize("wrong_every", [0, 2, 1])
@@ -108,7 +121,7 @@ def test_draft_tokens_slot_gives_the_same_greedy_tokens_in_fewer_steps(llm, wron
     steps_without = _count_steps(llm, params)
     engine.core.speculator = OracleSpeculator(
         {tuple(p): r for p, r in zip(PROMPTS, reference)}, k=3, wrong_every=wrong_every
-    )
+    ).decoder()
     try:
         steps_with = _count_steps(llm, params)
         got = _generate(llm, params)
@@ -127,7 +140,7 @@ def test_draft_tokens_slot_gives_the_same_greedy_tokens_in_fewer_steps(llm, wron
 def test_drafts_under_seeded_sampling_are_reproducible(llm):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
     engine = llm.engine
-    engine.core.speculator = OracleSpeculator({tuple(p): [1] * 40 for p in PROMPTS}, k=2)
+    engine.core.speculator = OracleSpeculator({tuple(p): [1] * 40 for p in PROMPTS}, k=2).decoder()
     try:
         first = _generate(llm, params)
         second = _generate(llm, params)

@@ -1,0 +1,252 @@
+"""Speculative decoding (ember.speculative, ember.plugins.speculative): the config,
+the n-gram speculator, exactness against decoding without speculation, the output
+distribution under sampling, and the engine's step-aside rules.
+
+Exactness is checked in batch-invariant mode (EMBER_BATCH_INVARIANT=1, the CPU
+backend computing every token's numbers independently of what shares its step):
+there a speculator can change outputs only through a wrong verification, not
+through kernels whose summation order follows the number of rows in a product."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.plugins.speculative.ngram import NgramSpeculator
+from ember.speculative import (
+    BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext, SpecRequest,
+)
+from tiny_models import make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None,
+         "min_acceptance_rate": 0.0}
+
+
+# -- config -------------------------------------------------------------------------------------
+
+def test_the_config_takes_vllms_keys_as_a_mapping_or_json_and_names_what_is_wrong():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 5, 4)
+    assert SpeculativeConfig.parse(config.to_dict()) == config and SpeculativeConfig.parse(None) is None
+    for bad, message in [
+        ('{"method": "ngram", "num_tokens": 3}', "unknown key\\(s\\) 'num_tokens'"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min \\(5\\) exceeds prompt_lookup_max"),
+        ("[1]", "must be a JSON object"),
+        ("{", "not valid JSON"),
+        ('{"min_acceptance_rate": 2}', "min_acceptance_rate must lie in \\[0, 1\\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(bad)
+
+
+def test_an_unknown_method_is_refused_at_start(tiny_llama_dir):
+    with pytest.raises(ValueError, match="unknown speculative method 'eagle3'; registered: .*ngram"):
+        LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=256, speculative_config={"method": "eagle3"})
+
+
+# -- the n-gram speculator ----------------------------------------------------------------------
+
+def _ngram(**config) -> NgramSpeculator:
+    return NgramSpeculator(SpeculatorContext(SpeculativeConfig(**{**NGRAM, **config}), 1000, ()))
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    spec = _ngram()
+    prompt = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 6, 2, 3]
+    # suffix [2, 3] (n=2) last occurred before at 6..7, followed by 7, 8, 5, 6
+    [proposal] = spec.propose([SpecRequest("a", prompt, [], 4, 0.0)])
+    assert proposal.token_ids == [7, 8, 5, 6] and proposal.probs is None
+    # the output extends the index incrementally: [3, 7] now occurred at 7..8
+    [proposal] = spec.propose([SpecRequest("a", prompt, [7], 2, 0.0)])
+    assert proposal.token_ids == [8, 5]
+    assert spec.propose([SpecRequest("b", [4, 5, 6], [], 3, 0.0)])[0].token_ids == []  # nothing repeats
+    spec.release("a")
+    assert "a" not in spec._indexes
+
+
+def test_ngram_prefers_longer_matches_and_rebuilds_for_a_new_prompt():
+    spec = _ngram(prompt_lookup_min=1)
+    tokens = [5, 1, 2, 5, 9, 1, 2]  # n=3 [5,1,2]? no; n=2 [1,2] at 1..2 -> 5, 9
+    assert spec.propose([SpecRequest("a", tokens, [], 2, 0.0)])[0].token_ids == [5, 9]
+    assert spec.propose([SpecRequest("a", [7, 7], [], 2, 0.0)])[0].token_ids == [7]  # same id, new prompt
+
+
+# -- exactness ----------------------------------------------------------------------------------
+
+# prompts that repeat themselves, so that n-gram lookup proposes (and is often right)
+REPEATING = [
+    [(i % 7) + 10 for i in range(40)],
+    [20, 21, 22, 23, 24, 25] * 5 + [20, 21],
+    list(range(60, 90)) + list(range(60, 75)),
+    [5, 6, 7] * 3,
+]
+
+
+@pytest.fixture
+def batch_invariant(monkeypatch):
+    monkeypatch.setenv("EMBER_BATCH_INVARIANT", "1")
+
+
+def _outputs(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_greedy_outputs_with_ngram_equal_those_without(kind, tmp_path, batch_invariant):
+    """With prefix caching, chunked prefill (a 16-token step budget) and preemption (a
+    KV cache too small for every request at once)."""
+    model_dir = tmp_path / kind
+    make_tiny_model(kind, model_dir, seed=3)
+    engine_args = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16,
+                       enable_prefix_caching=True, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts = REPEATING + [REPEATING[0][:20]]  # a shared prefix: a prefix-cache hit
+    plain = LLM(str(model_dir), **engine_args)
+    expected = _outputs(plain, prompts, params)
+    spec = LLM(str(model_dir), speculative_config=NGRAM, **engine_args)
+    assert _outputs(spec, prompts, params) == expected
+    stats = spec.engine.core.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.kv_manager.num_prefix_hits > 0
+    kv = spec.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks  # rejected positions held no block
+
+
+# -- the distribution under sampling --------------------------------------------------------------
+
+class SampledDrafts(BaseSpeculator):
+    """Drafts drawn from a fixed random distribution q (a bad draft model on purpose:
+    the verification must give the target's distribution whatever q is)."""
+
+    name = "sampled-test"
+
+    def __init__(self, vocab: int, k: int, seed: int = 0) -> None:
+        super().__init__(SpeculatorContext(SpeculativeConfig(self.name, k), vocab, ()))
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(vocab, generator=gen) * 2
+        logits[:40] += 4  # put q's mass near the target's (tokens below 40 are common here)
+        self.q = logits.softmax(-1)
+        self.gen = gen
+        self.k = k
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            ids = torch.multinomial(self.q, self.k, replacement=True, generator=self.gen).tolist()
+            out.append(Proposal(ids, self.q.expand(self.k, -1).clone()))
+        return out
+
+    def decoder(self) -> SpeculativeDecoder:
+        return SpeculativeDecoder(self, SpeculativeConfig(self.name, self.k, disable_by_batch_size=None,
+                                                          min_acceptance_rate=0.0))
+
+
+def _chi_square_p(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of homogeneity over the categories (rare ones pooled
+    so that every expected count is at least 5); returns the p-value."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    total = len(a) + len(b)
+    keys = [key for key in set(ca) | set(cb) if (ca[key] + cb[key]) * min(len(a), len(b)) / total >= 5]
+    rows = [[ca[key] for key in keys], [cb[key] for key in keys]]
+    rest = [len(a) - sum(rows[0]), len(b) - sum(rows[1])]
+    if min(rest) > 0:
+        rows[0].append(rest[0])
+        rows[1].append(rest[1])
+    table = torch.tensor(rows, dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = ((table - expected) ** 2 / expected).sum()
+    df = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))  # chi2 sf
+
+
+def test_rejection_sampling_keeps_the_targets_distribution(tiny_llama_dir, batch_invariant):
+    """Temperature 1.0, 3000 seeded requests of 3 tokens each with and without drafts
+    from a q far from the target's p: for each of the first 3 positions, and for the
+    pair of the first two tokens, a chi-square test of homogeneity over the tokens
+    must not reject at p < 0.001 (a correct implementation fails one of these four
+    tests by chance with probability under 0.4%; a verification that kept drafts
+    with probability q/p instead, or always, fails them all by far)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=8192, max_num_seqs=256)
+    prompt = [[30, 31, 32, 33]]
+    n = 3000
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    without = _outputs(llm, prompt * n, params)
+    speculator = SampledDrafts(llm.engine.model_info.vocab_size, k=3)
+    llm.engine.core.speculator = speculator.decoder()
+    try:
+        params = [SamplingParams(temperature=1.0, seed=10_000 + s, max_tokens=3, ignore_eos=True) for s in range(n)]
+        with_spec = _outputs(llm, prompt * n, params)
+    finally:
+        llm.engine.core.speculator = None
+    for position in range(3):
+        p = _chi_square_p([t[position] for t in without], [t[position] for t in with_spec])
+        assert p > 1e-3, (position, p)
+    p = _chi_square_p([tuple(t[:2]) for t in without], [tuple(t[:2]) for t in with_spec])
+    assert p > 1e-3, ("pair", p)
+
+
+def test_seeded_sampling_with_sampled_drafts_is_reproducible(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=1024)
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm.engine.core.speculator = SampledDrafts(llm.engine.model_info.vocab_size, k=3, seed=1).decoder()
+        runs.append(_outputs(llm, [[40, 41, 42]], params))
+    llm.engine.core.speculator = None
+    assert runs[0] == runs[1] and len(runs[0][0]) == 12
+
+
+# -- stepping aside -------------------------------------------------------------------------------
+
+class Constant(BaseSpeculator):
+    name = "constant"
+
+    def propose(self, requests):
+        return [Proposal([1, 2, 3][: r.max_drafts]) for r in requests]
+
+
+def _decoder(**config) -> SpeculativeDecoder:
+    config = SpeculativeConfig("constant", 3, **config)
+    return SpeculativeDecoder(Constant(SpeculatorContext(config, 100, ())), config)
+
+
+def _requests(n):
+    return [SpecRequest(f"r{i}", [1], [], 5, 0.0) for i in range(n)]
+
+
+def test_speculation_steps_aside_for_large_batches_and_poorly_accepted_requests():
+    decoder = _decoder(disable_by_batch_size=4, min_acceptance_rate=0.5, acceptance_window=3, backoff_steps=2)
+    assert set(decoder.propose(_requests(3), 3)) == {"r0", "r1", "r2"}
+    assert decoder.propose(_requests(4), 4) == {}  # batch large enough: no drafts
+    decoder.propose(_requests(2), 2)
+    decoder.observe("r0", 3, 0)  # nothing accepted: r0 pauses for 2 steps
+    decoder.observe("r1", 3, 3)
+    assert set(decoder.propose(_requests(2), 2)) == {"r1"}
+    assert set(decoder.propose(_requests(2), 2)) == {"r1"}
+    assert set(decoder.propose(_requests(2), 2)) == {"r0", "r1"}  # and tries again
+    stats = decoder.stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_emitted_tokens) == (6, 3, 5)
+    assert stats.acceptance_rate == 0.5 and stats.mean_accepted_length == 2.5
+    assert stats.accepted_by_position == [1, 1, 1]
+    assert json.loads(json.dumps(stats.to_dict()))["acceptance_rate"] == 0.5
+
+
+def test_a_speculator_breaking_the_contract_is_named():
+    class Bad(Constant):
+        name = "bad"
+
+        def propose(self, requests):
+            return [Proposal([10_000])]
+
+    config = SpeculativeConfig("bad", 3, disable_by_batch_size=None)
+    decoder = SpeculativeDecoder(Bad(SpeculatorContext(config, 100, ())), config)
+    with pytest.raises(RuntimeError, match=r"speculator 'bad' proposed a token outside \[0, 100\)"):
+        decoder.propose(_requests(1), 1)
+    with pytest.raises(RuntimeError, match="returned 1 proposals for 2 requests"):
+        decoder.propose(_requests(2), 2)
