@@ -131,6 +131,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", default=None,
         help="no device graphs: every step runs eagerly (as --cuda-graphs 0) [EMBER_ENFORCE_EAGER]",
     )
+    group.add_argument(
+        "--grammar-backend", metavar="NAME", default=None,
+        help="grammar backend of structured outputs and forced tool calls for requests that name none "
+        "(default: outlines; `ember plugins` lists them) [EMBER_GRAMMAR_BACKEND]",
+    )
+    group.add_argument(
+        "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
+        help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
+    )
     production = parser.add_argument_group("production (docs/operations.md)")
     production.add_argument(
         "--api-key", metavar="KEY", default=None,

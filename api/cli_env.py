@@ -136,6 +136,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "disable_chunked_prefill": EnvOption("EMBER_DISABLE_CHUNKED_PREFILL", _parse_bool),
     "cuda_graphs": EnvOption("EMBER_CUDA_GRAPHS", parse_graph_sizes),
     "enforce_eager": EnvOption("EMBER_ENFORCE_EAGER", _parse_bool),
+    "grammar_backend": EnvOption("EMBER_GRAMMAR_BACKEND", str),
+    "grammar_compile_timeout": EnvOption("EMBER_GRAMMAR_COMPILE_TIMEOUT", float),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
     "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
@@ -181,6 +183,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "enforce_eager": False,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,
+    "grammar_backend": "outlines",
+    "grammar_compile_timeout": 60.0,
     "watermark_delta": None,
     "api_key": None,
     "cors_allow_origin": [],

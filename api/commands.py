@@ -88,6 +88,8 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_chunked_prefill=not args.disable_chunked_prefill,
         graph_sizes=args.cuda_graphs,
         enforce_eager=args.enforce_eager,
+        grammar_backend=args.grammar_backend,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         api_key=args.api_key,
         cors_allow_origins=tuple(args.cors_allow_origin),
         json_output=args.json_output,

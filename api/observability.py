@@ -315,6 +315,17 @@ class _EngineCollector(Collector):
                                   value=stats.num_prefix_queries)
         yield CounterMetricFamily("ember_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=stats.num_prefix_hits)
+        yield CounterMetricFamily("ember_grammar_compile_seconds", "Seconds spent compiling grammars "
+                                  "(JSON schemas, regexes, choices) on the engine's compile threads",
+                                  value=stats.grammar_compile_time_s)
+        yield CounterMetricFamily("ember_grammar_compiles", "Grammars compiled (cache misses)",
+                                  value=stats.num_grammar_compiles)
+        yield CounterMetricFamily("ember_grammar_cache_hits", "Constrained requests whose grammar was cached "
+                                  "(compiled or compiling)", value=stats.num_grammar_cache_hits)
+        yield CounterMetricFamily("ember_grammar_compile_errors", "Grammars that failed to compile "
+                                  "(invalid or unsupported constraints)", value=stats.num_grammar_compile_errors)
+        yield CounterMetricFamily("ember_grammar_compile_timeouts", "Requests that waited past "
+                                  "--grammar-compile-timeout for their grammar", value=stats.num_grammar_compile_timeouts)
 
 
 # -- tracing -----------------------------------------------------------------------

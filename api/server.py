@@ -130,11 +130,19 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
 def build_engine(settings: ServerSettings) -> AsyncLLMEngine:
     from ember.config import EngineConfig
     from ember.engine import LLMEngine
+    from ember.plugin import create_plugin_manager
 
     config = EngineConfig(**engine_config_kwargs(settings))
+    pm = create_plugin_manager(disabled=config.disabled_plugins, required=config.required_plugins)
+    grammar_backends = pm.registries.grammar_backends
+    if config.grammar_backend not in grammar_backends:
+        raise ValueError(
+            f"--grammar-backend {config.grammar_backend!r} is not a registered grammar backend; "
+            f"registered: {', '.join(grammar_backends.names()) or 'none'}"
+        )
     if settings.engine_mode == "process":
-        return AsyncLLMEngine.with_engine_process(config)
-    return AsyncLLMEngine(LLMEngine(config))
+        return AsyncLLMEngine.with_engine_process(config, pm)
+    return AsyncLLMEngine(LLMEngine(config, pm))
 
 
 def create_server(app: Starlette, settings: ServerSettings):

@@ -77,6 +77,10 @@ class ServerSettings:
     graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
+    # grammar-guided decoding (docs/grammar.md): the backend of requests that name none,
+    # and how long a request may wait for its grammar
+    grammar_backend: str = "outlines"
+    grammar_compile_timeout: float = 60.0
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
     processor_options: dict = field(default_factory=dict)
@@ -120,6 +124,8 @@ class ServerSettings:
         if self.max_stop_sequences < 0:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
         if self.kv_cache_memory is not None and self.max_batch_total_tokens is not None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
             raise ValueError(
                 f"give --kv-cache-memory ({self.kv_cache_memory} bytes) or --max-batch-total-tokens "
                 f"({self.max_batch_total_tokens} tokens), not both: each sizes the KV cache"
@@ -283,6 +289,8 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
 
 def resolve_limits(
     settings: ServerSettings, max_model_len: int, num_kv_tokens: int, step_tokens: int | None = None
+    kwargs["grammar_backend"] = settings.grammar_backend
+    kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
 ) -> ResolvedLimits:
     """Fill the derived limits from the loaded engine (``step_tokens``: its per-step
     token budget) and check them against it."""

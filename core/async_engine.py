@@ -291,8 +291,13 @@ class AsyncLLMEngine(EngineClient):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return apply_chat_template(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return apply_chat_template(self.tokenizer, messages, tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) else None
 
     # -- facts and counts ---------------------------------------------------------------
     @property

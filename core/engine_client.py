@@ -71,6 +71,12 @@ class EngineStats:
     num_preemptions: int  # since start
     num_prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     num_prefix_hits: int  # prompt tokens found there, since start
+    # grammar-guided decoding (ember.grammar_manager), since start
+    grammar_compile_time_s: float = 0.0
+    num_grammar_compiles: int = 0
+    num_grammar_cache_hits: int = 0
+    num_grammar_compile_errors: int = 0
+    num_grammar_compile_timeouts: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -161,10 +167,16 @@ class EngineClient(ABC):
         """The text of ``token_ids``."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text of a chat (the model's template, with the generation prompt).
-        ValueError if the model has no template or a message lacks role or content;
-        an error the template itself raises (``jinja2.TemplateError``) passes through."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text of a chat (the model's template, with the generation prompt;
+        ``tools`` for a template that renders them). ValueError if the model has no
+        template or a message lacks role or content; an error the template itself raises
+        (``jinja2.TemplateError``) passes through."""
+
+    @property
+    @abstractmethod
+    def chat_template(self) -> str | None:
+        """The model's chat template source (its tool-call syntax picks the parser), or None."""
 
     # -- facts and counts ------------------------------------------------------------
     @property

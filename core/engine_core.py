@@ -251,6 +251,11 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_queries=self.kv_manager.num_prefix_queries,
             num_prefix_hits=self.kv_manager.num_prefix_hits,
+            grammar_compile_time_s=self.grammar.compile_time_s,
+            num_grammar_compiles=self.grammar.num_compiles,
+            num_grammar_cache_hits=self.grammar.num_cache_hits,
+            num_grammar_compile_errors=self.grammar.num_compile_errors,
+            num_grammar_compile_timeouts=self.grammar.num_compile_timeouts,
         )
 
     # -- requests -------------------------------------------------------------

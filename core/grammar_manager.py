@@ -11,6 +11,10 @@ constrained request.
   slower than ``compile_timeout_s``, ends only that request, with the message (the
   compile itself runs on: a thread cannot be stopped, and a later request for the same
   constraint finds its result).
+* **Fallback**: a request that names no backend and whose constraint the default
+  backend refuses (a kind it does not compile, a schema keyword it cannot enforce) is
+  compiled by the first other registered backend (by name) that accepts it, and the
+  switch is logged; a request that names its backend gets that backend's refusal.
 * **Matchers** follow each request's output: the engine advances them by the tokens a
   step emitted (accepted drafts and the sampled token) after the scheduler has
   recorded them. A preempted request keeps its output tokens, and its matcher stands
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 
 from ember.grammar import BaseCompiledGrammar, BaseGrammarBackend, BaseGrammarMatcher, Constraint, GrammarContext
-from ember.grammar import GrammarError
+from ember.grammar import GrammarError, UnsupportedFeatureError
 from ember.plugin.registry import Registry
 from ember.sampling_params import SamplingParams
 from ember.scheduler import RequestUpdate
@@ -71,7 +75,7 @@ class GrammarManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first constraint
         self._backends: dict[str, BaseGrammarBackend] = {}
         self._backend_lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, Constraint], concurrent.futures.Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, Constraint, bool], concurrent.futures.Future] = OrderedDict()
         # read-only outside: the requests held for their grammar, the running ones' matchers
         # (the engine tests them for emptiness each step without a call)
         self.waiting: dict[str, _Waiting] = {}
@@ -86,21 +90,33 @@ class GrammarManager:
 
     # -- compiling -------------------------------------------------------------
     def backend_class(self, params: SamplingParams) -> type[BaseGrammarBackend]:
-        """The backend a request names (else the engine's default); ValueError naming an
-        unknown one, UnsupportedFeatureError for a constraint kind it does not compile."""
+        """The backend a request names (else the engine's default, or the first other
+        one that compiles its constraint's kind); ValueError naming an unknown one,
+        UnsupportedFeatureError for a constraint kind it does not compile."""
         name = params.grammar_backend or self.default_backend
         if name not in self.registry:
             known = ", ".join(self.registry.names()) or "none"
             raise ValueError(f"unknown grammar backend {name!r}; registered: {known}")
         cls = self.registry.get(name)
+        if params.grammar_backend is None and params.constraint.kind not in cls.supported_kinds:
+            other = next((c for c in self._fallbacks(cls) if params.constraint.kind in c.supported_kinds), None)
+            if other is not None:
+                logger.info("grammar backend %r does not compile %s constraints; %r does",
+                            cls.name, params.constraint.kind.value, other.name)
+                return other
         cls.check_kind(params.constraint)
         return cls
+
+    def _fallbacks(self, cls: type[BaseGrammarBackend]) -> list[type[BaseGrammarBackend]]:
+        return [other for name, other in self.registry.items() if name != cls.name]
 
     def submit(self, request_id: str, params: SamplingParams, item: Any) -> None:
         """Hold ``item`` (the request) until the grammar of ``params.constraint`` is
         compiled; `collect` hands it back. Raises as `backend_class` does."""
         cls = self.backend_class(params)
-        key = (cls.name, params.constraint)
+        fallbacks = self._fallbacks(cls) if params.grammar_backend is None else []
+        # a grammar a fallback compiled must not answer a request that named the backend
+        key = (cls.name, params.constraint, bool(fallbacks))
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
@@ -108,15 +124,33 @@ class GrammarManager:
         else:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(NUM_COMPILE_THREADS, "ember-grammar")
-            future = self._executor.submit(self._compile, cls, params.constraint)
+            future = self._executor.submit(self._compile, cls, params.constraint, fallbacks)
             self._cache[key] = future
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)  # a request waiting on it keeps its future
         description = f"{params.constraint.describe()} (grammar backend {cls.name!r})"
         self.waiting[request_id] = _Waiting(item, future, time.monotonic(), description)
 
-    def _compile(self, cls: type[BaseGrammarBackend], constraint: Constraint) -> BaseCompiledGrammar:
-        """On a compile thread."""
+    def _compile(
+        self, cls: type[BaseGrammarBackend], constraint: Constraint, fallbacks: list[type[BaseGrammarBackend]],
+    ) -> BaseCompiledGrammar:
+        """On a compile thread: with ``cls``, else the first of ``fallbacks`` that does
+        not refuse a feature of the constraint (the first refusal is raised if all do)."""
+        try:
+            return self._compile_with(cls, constraint)
+        except UnsupportedFeatureError as refusal:
+            for other in fallbacks:
+                if constraint.kind not in other.supported_kinds:
+                    continue
+                try:
+                    grammar = self._compile_with(other, constraint)
+                except UnsupportedFeatureError:
+                    continue
+                logger.info("%s; compiled %s with grammar backend %r instead", refusal, constraint.describe(), other.name)
+                return grammar
+            raise
+
+    def _compile_with(self, cls: type[BaseGrammarBackend], constraint: Constraint) -> BaseCompiledGrammar:
         with self._backend_lock:
             backend = self._backends.get(cls.name)
             if backend is None:

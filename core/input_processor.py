@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None,
+) -> str:
+    """The prompt text of a chat; ``tools`` go to a template that renders them
+    (`ember.tool_calls.chat_messages` prepares both)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
     for m in messages:
@@ -31,7 +35,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
             raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
 

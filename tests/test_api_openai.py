@@ -285,7 +285,7 @@ ERRORS = [
     ("messages wrong type", "/v1/chat/completions", {"model": "m", "messages": "hi"}, 422, "messages"),
     ("content wrong type", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]}, 422,
      "messages.0.content"),
-    ("unknown role", "/v1/chat/completions", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, 422,
+    ("unknown role", "/v1/chat/completions", {"model": "m", "messages": [{"role": "function", "content": "x"}]}, 422,
      "messages.0.role"),
     ("empty messages", "/v1/chat/completions", {"model": "m", "messages": []}, 422, "messages"),
     ("temperature 3", "/v1/completions", {**COMPLETION, "temperature": 3}, 422, "temperature"),
@@ -320,9 +320,9 @@ ERRORS = [
     ("extra names a built-in", "/v1/completions", {**COMPLETION, "extra": {"top_k": 2}}, 422, None),
     ("extra names no processor", "/v1/chat/completions", {**CHAT, "extra": {"no_such": True}}, 422, None),
     ("suffix", "/v1/completions", {**COMPLETION, "suffix": "end"}, 422, "suffix"),
-    ("json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format"),
-    ("tools", "/v1/chat/completions",
-     {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 422, "tools"),
+    ("json_schema without a schema", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ("tools without a function", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("unknown field", "/v1/completions", {**COMPLETION, "foo": 1}, 422, "foo"),
     ("chat unknown field", "/v1/chat/completions", {**CHAT, "functions": []}, 422, "functions"),
     ("empty prompt", "/v1/completions", {**COMPLETION, "prompt": ""}, 422, "prompt"),
@@ -381,8 +381,8 @@ def test_bad_requests_get_openai_errors(http, path, body, status, param):
 
 
 def test_not_available_names_the_issue(http):
-    error = http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_object"}}).json()["error"]
-    assert "grammar-guided JSON" in error["message"]
+    error = http.post("/v1/completions", json={**COMPLETION, "suffix": "end"}).json()["error"]
+    assert "issue 4 (suffix)" in error["message"]
 
 
 def test_transport_errors_are_openai_shaped(http):

@@ -270,7 +270,7 @@ BAD_INPUTS = [
     ("too many stops", "/generate", J({"inputs": "x", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}).encode(), None, 422, "validation"),
     ("prompt too long", "/generate", J({"inputs": "x" * 400}).encode(), None, 422, "validation"),
     ("truncate too big", "/generate", J({"inputs": "x", "parameters": {"truncate": 10_000}}).encode(), None, 422, "validation"),
-    ("grammar not yet", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}).encode(), None, 422, "validation"),
+    ("grammar of no known type", "/generate", J({"inputs": "x", "parameters": {"grammar": {"type": "xml", "value": {}}}}).encode(), None, 400, "bad_request"),
     ("watermark bad gamma", "/generate", J({"inputs": "x", "parameters": {"watermark": True, "extra": {"watermark": {"gamma": 2}}}}).encode(), None, 422, "validation"),
     ("best_of greedy", "/generate", J({"inputs": "x", "parameters": {"best_of": 2}}).encode(), None, 422, "validation"),
     ("best_of streamed", "/generate_stream", J({"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}}).encode(), None, 422, "validation"),

@@ -5,6 +5,11 @@ A list prompt in /v1/completions runs as one engine request per prompt, all
 concurrently, and takes one slot of --max-concurrent-requests per prompt: a list
 of 8 prompts weighs on the server like 8 clients, and is refused (429) as a whole
 when that many slots are not free.
+
+A constrained request (structured outputs, a forced tool call) waits for its first
+engine output before answering, streams included, so that a grammar that fails to
+compile is a 400 (`ember.api.structured_outputs`). On chat, a tool-call parser
+(`ember.tool_calls`) reads the answer into `tool_calls`, streamed as OpenAI does.
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
+from ember.api.errors import APIError, Flavor, bad_request, error_response, not_available, sse_error_event, validation_error
 from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
 from ember.api.openapi import documented
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService, with_watermark
+from ember.api.structured_outputs import check_backend, failure, openai_constraint
+from ember.grammar import Constraint
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
+from ember.tool_calls import ToolSetup, chat_messages, setup_tools
+from ember.tool_parser import BaseToolParser, ParserDelta
 
-TOOLS_ISSUE = "the tool-calling issue"
-JSON_ISSUE = "the grammar-guided JSON issue"
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
@@ -44,6 +51,7 @@ class _Job:
     params: SamplingParams
     echo: str = ""  # text put before the generated text (`echo`)
     priority: int = 0
+    constraint_param: str | None = None  # the field its constraint came from (named by a 400)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +107,39 @@ def per_choice(jobs: list[_Job]) -> list[_Job]:
     return [job for job in jobs for _ in range(job.params.n)]
 
 
-def finish_reason(out: RequestOutput) -> str:
-    return "length" if out.outputs[0].finish_reason == "length" else "stop"
+def finish_reason(out: RequestOutput, has_tool_calls: bool = False) -> str:
+    if out.outputs[0].finish_reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+def tool_call_pieces(delta: ParserDelta, max_calls: int | None) -> list[dict]:
+    """A parser's call pieces as OpenAI's `delta.tool_calls` entries."""
+    pieces = []
+    for piece in delta.tool_calls:
+        if max_calls is not None and piece.index >= max_calls:
+            continue
+        function = {"arguments": piece.arguments}
+        entry: dict = {"index": piece.index, "function": function}
+        if piece.id is not None:
+            entry.update(id=piece.id, type="function")
+            function["name"] = piece.name
+        pieces.append(entry)
+    return pieces
+
+
+def assistant_message(text: str, setup: ToolSetup) -> tuple[oa.AssistantMessage, bool]:
+    """The answer as a message (its tool calls read by the chat's parser), and whether
+    it holds calls."""
+    if setup.parser is None:
+        return oa.AssistantMessage(content=text), False
+    parsed = setup.parser().parse(text)
+    calls = parsed.tool_calls[: setup.max_calls]
+    if not calls:
+        return oa.AssistantMessage(content=text), False
+    return oa.AssistantMessage(content=parsed.content, tool_calls=[
+        oa.ToolCall(id=call.id, function=oa.FunctionCall(name=call.name, arguments=call.arguments)) for call in calls
+    ]), True
 
 
 def usage(jobs: list[_Job], outs: list[RequestOutput] | None = None, num_completion: int = 0) -> oa.Usage:
@@ -167,7 +206,7 @@ class OpenAIRoutes:
         ]
 
     # -- shared -----------------------------------------------------------------------
-    def _params(self, body: oa.SamplingFields, max_tokens: int) -> SamplingParams:
+    def _params(self, body: oa.SamplingFields, max_tokens: int, constraint: Constraint | None = None) -> SamplingParams:
         seed = body.seed
         if seed is not None and seed < 0:
             seed += 2**64  # OpenAI seeds are signed 64-bit; same bits, same stream
@@ -194,6 +233,8 @@ class OpenAIRoutes:
                 bad_words_token_ids=self._bad_words(body.bad_words or []),
                 stop_token_ids=tuple(self._checked_ids(body.stop_token_ids or [], "stop_token_ids")),
                 ignore_eos=bool(body.ignore_eos),
+                constraint=constraint,
+                grammar_backend=body.guided_decoding_backend,
             )
         except ValueError as exc:
             raise validation_error(str(exc)) from None
@@ -337,9 +378,45 @@ class OpenAIRoutes:
         finally:
             self._release(len(jobs))
 
-    def _stream(self, events: AsyncIterator[bytes], num_jobs: int) -> Response:
-        self._admit(num_jobs)
-        return EventStreamResponse(events, on_close=lambda: self._release(num_jobs))
+    async def _stream(self, events, jobs: list[_Job]) -> Response:
+        """``events(outputs)``'s stream; a constrained request's first output is awaited
+        first, so that a grammar failure is a 400 (before any header)."""
+        self._admit(len(jobs))
+        try:
+            outs = self._outputs(jobs, OutputKind.DELTA)
+            if jobs[0].params.constraint is not None:
+                outs = await self._started(outs, jobs[0].constraint_param)
+        except BaseException:
+            self._release(len(jobs))
+            raise
+        return EventStreamResponse(self._guarded(events(outs)), on_close=lambda: self._release(len(jobs)))
+
+    @staticmethod
+    async def _started(outs: AsyncIterator, param: str | None) -> AsyncIterator:
+        """``outs`` with its first item already taken (raised as a 400 if its grammar failed)."""
+        try:
+            first = await anext(outs)
+            error = failure(first[1], param)
+            if error is not None:
+                raise error
+        except BaseException:
+            await outs.aclose()
+            raise
+
+        async def chained():
+            async with aclosing(outs):
+                yield first
+                async for item in outs:
+                    yield item
+
+        return chained()
+
+    @staticmethod
+    def _check_failures(outs: list[RequestOutput], jobs: list[_Job]) -> None:
+        for out in outs:
+            error = failure(out, jobs[0].constraint_param)
+            if error is not None:
+                raise error
 
     async def _guarded(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Once the stream began, a failure is an error event, then a clean end."""
@@ -361,8 +438,10 @@ class OpenAIRoutes:
             jobs = await self.service.run_blocking(self._completion_jobs, body)
             reply = self._reply("cmpl", "text_completion", body)
             if body.stream:
-                return self._stream(self._guarded(self._completion_events(reply, jobs)), len(jobs))
+                return await self._stream(lambda outs: self._completion_events(reply, jobs, outs), jobs)
             outs = await self._run(request, jobs)
+            if outs is not None:
+                self._check_failures(outs, jobs)
         except APIError as exc:
             return error_response(exc, Flavor.OPENAI)
         if outs is None:
@@ -391,13 +470,15 @@ class OpenAIRoutes:
                 f"`prompt` holds {len(prompts)} prompts; at most --max-concurrent-requests "
                 f"({self.service.limits.max_concurrent_requests}) can run at once", "prompt",
             )
+        constraint, param = openai_constraint(body)
+        check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
         jobs = []
         for index, (text, ids, name) in enumerate(prompts):
             max_tokens = self._max_tokens(len(ids), body.max_tokens, name, "max_tokens")
-            params = self._params(body, max_tokens)
+            params = self._params(body, max_tokens, constraint)
             self.service.validate(ids, params)
             echo = "" if not body.echo else text if text is not None else self.service.client.decode(ids)
-            jobs.append(_Job(index, text, ids, params, echo, body.priority))
+            jobs.append(_Job(index, text, ids, params, echo, body.priority, param))
         return jobs
 
     def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:
@@ -421,7 +502,7 @@ class OpenAIRoutes:
             for item, name in zip(items, names)
         ]
 
-    async def _completion_events(self, reply: _Reply, jobs: list[_Job]) -> AsyncIterator[bytes]:
+    async def _completion_events(self, reply: _Reply, jobs: list[_Job], outputs: AsyncIterator) -> AsyncIterator[bytes]:
         choice_jobs = per_choice(jobs)  # streaming has no best_of > n: choices are samples
         for index, job in enumerate(choice_jobs):
             if job.echo:
@@ -429,8 +510,11 @@ class OpenAIRoutes:
         num_tokens = 0  # every choice's generated tokens, for usage
         offsets = [len(job.echo) for job in choice_jobs]
         pending = [_Pending() for _ in choice_jobs]  # tokens whose logprobs are not sent yet
-        async with aclosing(self._outputs(jobs, OutputKind.DELTA)) as outs:
+        async with aclosing(outputs) as outs:
             async for index, out in outs:
+                error = failure(out, jobs[0].constraint_param)
+                if error is not None:
+                    raise error
                 num_tokens += len(out.new_token_ids)
                 pending[index].add(out)
                 if out.new_text or out.finished:
@@ -451,62 +535,80 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await read_model(request, oa.ChatCompletionRequest)
-            job = await self.service.run_blocking(self._chat_job, body)
+            job, setup = await self.service.run_blocking(self._chat_job, body)
             reply = self._reply("chatcmpl", "chat.completion", body)
             if body.stream:
                 chunk_reply = _Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,
                                      reply.system_fingerprint, reply.include_usage)
-                return self._stream(self._guarded(self._chat_events(chunk_reply, job)), 1)
+                return await self._stream(lambda outs: self._chat_events(chunk_reply, job, setup, outs), [job])
             outs = await self._run(request, [job])
+            if outs is not None:
+                self._check_failures(outs, [job])
         except APIError as exc:
             return error_response(exc, Flavor.OPENAI)
         if outs is None:
             return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            message, has_calls = assistant_message(out.outputs[0].text, setup)
+            choices.append(oa.ChatChoice(index=i, message=message, finish_reason=finish_reason(out, has_calls),
+                                         logprobs=self._chat_logprobs(body, out, 0)))
         response = oa.ChatCompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
-            choices=[
-                oa.ChatChoice(index=i, message=oa.AssistantMessage(content=out.outputs[0].text),
-                              finish_reason=finish_reason(out), logprobs=self._chat_logprobs(body, out, 0))
-                for i, out in enumerate(outs)
-            ],
-            usage=usage([job], outs),
+            choices=choices, usage=usage([job], outs),
         )
         return JSONResponse(response.model_dump())
 
-    def _chat_job(self, body: oa.ChatCompletionRequest) -> _Job:
+    def _tool_setup(self, body: oa.ChatCompletionRequest) -> ToolSetup:
+        """400 for a tool choice naming no tool, or tools no parser of this model reads."""
+        client = self.service.client
+        try:
+            return setup_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                               client.plugin_manager.registries.tool_parsers, client.chat_template)
+        except ValueError as exc:
+            param = "tools" if str(exc).startswith("tools") else "tool_choice"
+            raise bad_request(str(exc), param) from None
+
+    def _chat_job(self, body: oa.ChatCompletionRequest) -> tuple[_Job, ToolSetup]:
         check_not_yet(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise validation_error("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise not_available("response_format", JSON_ISSUE)
-        if body.tools:
-            raise not_available("tools", TOOLS_ISSUE)
-        if body.tool_choice not in (None, "none", "auto"):
-            raise not_available("tool_choice", TOOLS_ISSUE)
+        setup = self._tool_setup(body)
+        constraint, param = openai_constraint(body)
+        if setup.forced is not None:
+            if constraint is not None:
+                raise bad_request(f"`{param}` cannot constrain an answer that tool_choice {setup.choice!r} forces "
+                                  "to be a tool call", param)
+            constraint, param = setup.forced, "tool_choice"
+        check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
             raise validation_error(
                 f"`max_tokens` ({body.max_tokens}) and `max_completion_tokens` ({body.max_completion_tokens}) "
                 "disagree; send one of them", "max_completion_tokens",
             )
         self._check_stop(body)
-        prompt = self._chat_prompt(body.messages)
+        prompt = self._chat_prompt(body.messages, setup)
         ids = self.service.encode(prompt, add_special_tokens=False)
-        param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, self._max_tokens(len(ids), requested, "messages", param))
+        params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
         self.service.validate(ids, params)
-        return _Job(0, prompt, ids, params, priority=body.priority)
+        return _Job(0, prompt, ids, params, priority=body.priority, constraint_param=param), setup
 
     def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
         return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None
 
-    def _chat_prompt(self, messages: list[oa.ChatMessage]) -> str:
-        """The messages through the chat template (after a length check: the prompt
-        holds every message's text)."""
+    def _chat_prompt(self, messages: list[oa.ChatMessage], setup: ToolSetup) -> str:
+        """The messages (tool calls and results among them) and the tools through the
+        chat template (after a length check: the prompt holds every message's text)."""
         plain = []
         for i, message in enumerate(messages):
             content = message.content
-            if not isinstance(content, str):
+            if content is None:
+                if not (message.role == "assistant" and message.tool_calls):
+                    raise validation_error(f"`messages[{i}].content` is missing", f"messages[{i}].content")
+                content = ""
+            elif not isinstance(content, str):
                 for k, part in enumerate(content):
                     where = f"messages[{i}].content[{k}]"
                     if part.type != "text":
@@ -517,14 +619,23 @@ class OpenAIRoutes:
                         raise validation_error(f"`{where}` is a text part without `text`", f"{where}.text")
                 content = "\n".join(part.text for part in content)  # type: ignore[misc]
             role = "system" if message.role == "developer" else message.role
-            plain.append({"role": role, "content": content})
+            entry: dict = {"role": role, "content": content}
+            if message.tool_calls:
+                entry["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            plain.append(entry)
         self.service.check_chars("".join(m["content"] for m in plain), "messages")
+        client = self.service.client
         try:
-            return self.service.client.apply_chat_template(plain)
+            plain, tools = chat_messages(plain, setup, client.plugin_manager.registries.tool_parsers, client.chat_template)
+            return client.apply_chat_template(plain, tools)
         except (ValueError, TemplateError) as exc:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
 
-    async def _chat_events(self, reply: _Reply, job: _Job) -> AsyncIterator[bytes]:
+    async def _chat_events(
+        self, reply: _Reply, job: _Job, setup: ToolSetup, outputs: AsyncIterator
+    ) -> AsyncIterator[bytes]:
         num_choices = job.params.n
         for index in range(num_choices):
             yield reply.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -539,16 +650,39 @@ class OpenAIRoutes:
                 return None
             return chat_logprobs(self.service, view, 0, num_top).model_dump()
 
-        async with aclosing(self._outputs([job], OutputKind.DELTA)) as outs:
+        parsers = [setup.parser() if setup.parser else None for _ in range(num_choices)]
+        has_calls = [False] * num_choices
+
+        def delta_of(index: int, out: RequestOutput) -> dict:
+            """The chunk's delta: the text, or what the choice's parser can report of it."""
+            parser: BaseToolParser | None = parsers[index]
+            if parser is None:
+                return {"content": out.new_text} if out.new_text else {}
+            parsed = parser.feed(out.new_text)
+            if out.finished:
+                end = parser.finish()
+                parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
+            delta: dict = {"content": parsed.content} if parsed.content else {}
+            pieces = tool_call_pieces(parsed, setup.max_calls)
+            if pieces:
+                delta["tool_calls"] = pieces
+                has_calls[index] = True
+            return delta
+
+        async with aclosing(outputs) as outs:
             async for index, out in outs:
+                error = failure(out, job.constraint_param)
+                if error is not None:
+                    raise error
                 num_tokens += len(out.new_token_ids)
                 pending[index].add(out)
-                if out.new_text:
-                    yield reply.chunk([{"index": index, "delta": {"content": out.new_text},
+                delta = delta_of(index, out)
+                if delta:
+                    yield reply.chunk([{"index": index, "delta": delta,
                                         "logprobs": logprobs_of(index, out), "finish_reason": None}])
                 if out.finished:
                     yield reply.chunk([{"index": index, "delta": {}, "logprobs": logprobs_of(index, out),
-                                        "finish_reason": finish_reason(out)}])
+                                        "finish_reason": finish_reason(out, has_calls[index])}])
         if reply.include_usage:
             yield reply.chunk([], usage([job], num_completion=num_tokens).model_dump())
         yield DONE_EVENT

@@ -1,9 +1,16 @@
-"""TGI routes: /generate, /generate_stream, / (compat), /tokenize."""
+"""TGI routes: /generate, /generate_stream, / (compat), /tokenize.
+
+`parameters.grammar` (``{"type": "json" | "regex", "value": ...}``) constrains the
+output (`ember.api.structured_outputs`); as on the OpenAI routes, a constrained request
+waits for its first engine output before answering, so a grammar that fails to compile
+is a 400. TGI's chat route is the OpenAI one (/v1/chat/completions), tools included.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 
 from starlette.requests import Request
@@ -15,13 +22,13 @@ from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, 
 from ember.api.openapi import documented
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService, with_watermark
+from ember.api.structured_outputs import failure, tgi_constraint
 from ember.logprobs import Logprob
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
 NOT_YET = {
-    "grammar": (None, "the grammar-guided decoding issue"),
     "adapter_id": (None, "a LoRA adapters issue"),
 }
 NEUTRAL: dict = {}
@@ -59,6 +66,7 @@ def sampling_params(p: tgi.GenerateParameters, max_new_tokens: int) -> SamplingP
             extra=with_watermark(p.extra, p.watermark),
             best_of=best_of,
             best_of_ranking="mean",  # TGI's best_of: the highest mean logprob wins
+            constraint=tgi_constraint(p.grammar),
         )
     except ValueError as exc:  # what only the core checks (an `extra` key naming a built-in...)
         raise validation_error(str(exc), "parameters") from None
@@ -152,6 +160,9 @@ class TGIRoutes:
                 out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
+        error = failure(out, "grammar")
+        if error is not None:
+            raise error
         # best_of: the engine ranked the candidates by mean logprob (as TGI); the best
         # answers, the others are reported in details.best_of_sequences
         views = [replace(out, outputs=[c]) for c in out.outputs + (out.candidates or [])]
@@ -204,14 +215,45 @@ class TGIRoutes:
         service = self.service
         ids, params = await service.run_blocking(self._prepare, body, True)
         service.acquire()
-        return EventStreamResponse(self._events(body, ids, params), on_close=service.release)
+        try:
+            outs = service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA)
+            first = None
+            if params.constraint is not None:  # a grammar that fails is a 400, before any header
+                try:
+                    first = await anext(outs)
+                except BaseException:
+                    await outs.aclose()
+                    raise
+                error = failure(first, "grammar")
+                if error is not None:
+                    await outs.aclose()
+                    raise error
+        except BaseException:
+            service.release()
+            raise
+        return EventStreamResponse(self._events(body, ids, params, outs, first), on_close=service.release)
 
-    async def _events(self, body: tgi.GenerateRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    async def _events(
+        self, body: tgi.GenerateRequest, ids: list[int], params: SamplingParams, outs: AsyncIterator[RequestOutput],
+        first: RequestOutput | None,
+    ) -> AsyncIterator[bytes]:
+        """``first`` (already taken from ``outs``, or None), then the rest of ``outs``."""
         service = self.service
         index = 0
         text = ""  # the generated text so far: each output carries only what is new
+
+        async def outputs():
+            async with aclosing(outs):
+                if first is not None:
+                    yield first
+                async for out in outs:
+                    yield out
+
         try:
-            async for out in service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA):
+            async for out in outputs():
+                error = failure(out, "grammar")
+                if error is not None:
+                    raise error
                 completion = out.outputs[0]
                 new_ids = out.new_token_ids
                 text += completion.text

@@ -3,6 +3,9 @@
 Requests are validated strictly (`parse_model`): unknown fields are refused, no
 "5" for 5; `null` stands for the default. Fields Ember does not implement yet are accepted only at their neutral
 value; the routes answer 422 naming the field and the issue that brings it.
+
+Structured outputs (docs/api.md): OpenAI's `response_format`, vLLM's `guided_*` fields
+and their newer `structured_outputs` object, on both routes; tools on chat.
 """
 
 from __future__ import annotations
@@ -41,6 +44,28 @@ def _one_of(value: Any, handler: Any, expected: str) -> Any:
 
 class StreamOptions(Strict):
     include_usage: bool = Field(False, description="send a last chunk with `usage` and no choices")
+
+
+class JsonSchemaFormat(Strict):
+    name: str = Field(max_length=64, description="the schema's name (accepted and echoed nowhere)")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema the answer follows")
+    strict: bool | None = Field(None, description="accepted: the answer always follows the schema")
+    description: str | None = Field(None, description="accepted and ignored")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description='with type "json_schema"')
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: one of these constrains the answer."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or its text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="an EBNF (GBNF) or Lark grammar")
+    json_object: bool | None = Field(None, description="any JSON object")
 
 
 class SamplingFields(Strict):
@@ -83,6 +108,14 @@ class SamplingFields(Strict):
         None, description="extension: watermark the output (as TGI's parameter); gamma/delta via extra.watermark"
     )
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="extension (as vLLM): lower runs first and is preempted last; equal priorities are first come, first served")
+    response_format: ResponseFormat | None = Field(None, description="text, any JSON object, or a JSON schema")
+    # vLLM's structured outputs (extra_body): at most one constraint per request
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension: a JSON schema the answer follows")
+    guided_regex: str | None = Field(None, description="extension: a regular expression the whole answer matches")
+    guided_choice: list[str] | None = Field(None, description="extension: the answer is one of these strings")
+    guided_grammar: str | None = Field(None, description="extension: an EBNF (GBNF) or Lark grammar")
+    guided_decoding_backend: str | None = Field(None, description="extension: the grammar backend (outlines, xgrammar)")
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension: vLLM's newer form of guided_*")
 
     @field_validator("logit_bias")
     @classmethod
@@ -138,19 +171,20 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="`developer` is treated as `system`")
-    content: str | list[TextContentPart] = Field(description="a string, or a list of text parts (joined by newlines)")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="`developer` is treated as `system`; `tool` carries a tool's result"
+    )
+    content: str | list[TextContentPart] | None = Field(
+        None, description="a string, or a list of text parts (joined by newlines); may be null beside tool_calls"
+    )
     name: str | None = Field(None, description="accepted and ignored")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message's call")
 
     @field_validator("content", mode="wrap")
     @classmethod
     def _content(cls, value: Any, handler: Any) -> Any:
         return _one_of(value, handler, 'a string or a list of {"type": "text", "text": ...} parts')
-
-
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -159,10 +193,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: what --max-total-tokens leaves")
     logprobs: bool | None = Field(None, description="return each generated token's logprob (choices[].logprobs.content)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the N most likely tokens at each position")
-    response_format: ResponseFormat | None = Field(None, description='only {"type": "text"} for now')
-    tools: list[dict[str, Any]] | None = Field(None, description="not available yet")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none" for now')
-    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored (no tools yet)")
+    tools: list[dict[str, Any]] | None = Field(None, description='function tools: {"type": "function", "function": {...}}')
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": {"name"}}'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="with required: one call or a list of them (default true)")
     store: bool | None = Field(None, description="accepted and ignored: Ember stores nothing")
     metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
 
@@ -219,17 +254,29 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -245,13 +292,16 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="pieces of calls: index, then id, type and function.name first, function.arguments in pieces"
+    )
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

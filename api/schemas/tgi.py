@@ -26,7 +26,9 @@ class GenerateParameters(Strict):
     frequency_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="subtract penalty x count of each token generated so far (OpenAI semantics)"
     )
-    grammar: Any | None = Field(None, description="not available yet (grammar issue)")
+    grammar: dict[str, Any] | None = Field(
+        None, description='{"type": "json", "value": JSON schema} or {"type": "regex", "value": pattern}'
+    )
     max_new_tokens: int | None = Field(None, ge=1, description="default: what --max-total-tokens leaves")
     repetition_penalty: float | None = Field(
         None, gt=0.0, description="> 0; 1.0 is none; divides (or multiplies, if negative) the logits of seen tokens"

@@ -82,6 +82,16 @@ def ember_register_grammar_backends(registry: Registry) -> None:
 
 
 @hookspec
+def ember_register_tool_parsers(registry: Registry) -> None:
+    """Register tool-call parsers: ``registry.register(MyParser.name, MyParser)``.
+
+    Values are subclasses of :class:`ember.tool_parser.BaseToolParser`; a chat with
+    ``tool_choice: "auto"`` is read by the first one (by name) whose
+    ``matches_template`` accepts the model's chat template (docs/grammar.md).
+    """
+
+
+@hookspec
 def ember_configure(config: Any) -> None:
     """Called once with the engine's configuration after plugins are loaded and
     before the model loads. May inspect; must not mutate frozen configs."""

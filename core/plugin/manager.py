@@ -27,6 +27,7 @@ _REGISTRATION_HOOKS = {
     "ember_register_quantizers": "quantizers",
     "ember_register_speculators": "speculators",
     "ember_register_grammar_backends": "grammar_backends",
+    "ember_register_tool_parsers": "tool_parsers",
 }
 
 

@@ -64,6 +64,7 @@ class Registries:
     quantizers: Registry = field(default_factory=lambda: Registry("quantizer"))
     speculators: Registry = field(default_factory=lambda: Registry("speculator"))
     grammar_backends: Registry = field(default_factory=lambda: Registry("grammar backend"))
+    tool_parsers: Registry = field(default_factory=lambda: Registry("tool-call parser"))
 
     def all(self) -> dict[str, Registry]:
         return {
@@ -73,4 +74,5 @@ class Registries:
             "quantizers": self.quantizers,
             "speculators": self.speculators,
             "grammar_backends": self.grammar_backends,
+            "tool_parsers": self.tool_parsers,
         }
