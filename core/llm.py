@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -12,6 +13,7 @@ from ember.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.input_processor import apply_chat_template
+from ember.tool_calls import chat_messages, setup_tools
 
 
 class LLM:
@@ -92,13 +94,38 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: int | Sequence[int] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them.
+
+        ``tools`` (OpenAI's function tools), ``tool_choice`` and ``parallel_tool_calls``
+        as in the chat API (`ember.tool_calls`): a forced choice constrains the answer to
+        a call, ``auto`` lets the model choose; each completion's ``tool_calls`` then
+        holds the calls read from its text. ValueError names a bad tool or choice."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = [self._encode_chat(conv) for conv in conversations]
+        tokenizer = self.engine.tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        registry = self.engine.core.plugin_manager.registries.tool_parsers
+        setup = setup_tools(tools, tool_choice, parallel_tool_calls, registry, template)
+        encoded = []
+        for conv in conversations:
+            conv, template_tools = chat_messages(conv, setup, registry, template)
+            prompt = apply_chat_template(tokenizer, conv, template_tools)
+            encoded.append((prompt, tokenizer.encode(prompt, add_special_tokens=False)))
         prompts = [prompt for prompt, _ in encoded]
         ids = [token_ids for _, token_ids in encoded]
-        return self.generate(prompts, sampling_params, prompt_token_ids=ids, priority=priority)
+        params = self._params_list(sampling_params, len(prompts))
+        if setup.forced is not None:
+            params = [replace(p, constraint=setup.forced) for p in params]
+        outs = self.generate(prompts, params, prompt_token_ids=ids, priority=priority)
+        if setup.parser is not None:
+            for out in outs:
+                for completion in out.outputs:
+                    completion.tool_calls = setup.parser().parse(completion.text).tool_calls[: setup.max_calls]
+        return outs
 
     def stream(
         self,

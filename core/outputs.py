@@ -36,6 +36,9 @@ class CompletionOutput:
     seed: int | None = None
     # finish reason "error": why this sequence ended (e.g. its grammar could not be compiled)
     error: str | None = None
+    # `LLM.chat` with tools: the calls the answer holds (ember.tool_parser.ToolCall), read
+    # from `text`; None when the chat had no tools
+    tool_calls: tuple | None = None
 
     @property
     def cumulative_logprob(self) -> float:

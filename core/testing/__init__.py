@@ -4,6 +4,7 @@
     check_backend(MyBackend)   # AssertionError naming the first broken rule
     check_logits_processor(MyProcessor, [SamplingParams(extra={"my_processor": 1})])
     check_grammar_backend(MyGrammarBackend)
+    check_tool_parser(MyToolParser)
 """
 
 from ember.testing.backend_conformance import (
@@ -11,8 +12,9 @@ from ember.testing.backend_conformance import (
 )
 from ember.testing.grammar_conformance import check_grammar_backend
 from ember.testing.logits_processor_conformance import check_logits_processor
+from ember.testing.tool_parser_conformance import check_tool_parser
 
 __all__ = [
     "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_grammar_backend",
-    "check_graph_attention", "check_logits_processor",
+    "check_graph_attention", "check_logits_processor", "check_tool_parser",
 ]
