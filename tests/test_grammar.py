@@ -274,7 +274,8 @@ def test_a_completed_grammar_ends_the_request_without_eos(llm):
 
 def test_a_grammar_error_ends_only_its_request(llm):
     good = SamplingParams(temperature=0, max_tokens=12)
-    bad_schema = SamplingParams(max_tokens=12, constraint=Constraint.json_schema({"type": "integer", "minimum": 1}))
+    bad_schema = SamplingParams(max_tokens=12, constraint=Constraint.json_schema({"type": "integer", "minimum": 1}),
+                                grammar_backend="outlines")
     bad_regex = SamplingParams(max_tokens=12, constraint=Constraint.regex("(unclosed"), grammar_backend="xgrammar")
     reference = llm.generate(["one", "two"], good)
     outs = llm.generate(["one", "x", "y", "two"], [good, bad_schema, bad_regex, good])
@@ -305,8 +306,18 @@ def test_unknown_backends_and_kinds_are_refused_at_once(llm):
     with pytest.raises(ValueError, match="unknown grammar backend 'nope'; registered: outlines, xgrammar"):
         llm.generate("a", SamplingParams(constraint=Constraint.regex("a"), grammar_backend="nope"))
     with pytest.raises(ValueError, match="'outlines' does not support lark constraints"):
-        llm.generate("a", SamplingParams(constraint=Constraint.lark('start: "a"')))
+        llm.generate("a", SamplingParams(constraint=Constraint.lark('start: "a"'), grammar_backend="outlines"))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_what_the_default_backend_refuses_falls_back_when_no_backend_is_named(llm):
+    ranged = Constraint.json_schema({"type": "integer", "minimum": 3, "maximum": 7})
+    lark = Constraint.lark('start: "(" DIGIT ")"\n%import common.DIGIT')
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=8, constraint=c) for c in (ranged, lark)])
+    assert 3 <= int(outs[0].outputs[0].text) <= 7
+    assert re.fullmatch(r"\(\d\)", outs[1].outputs[0].text)
+    named = llm.generate("a", SamplingParams(max_tokens=8, constraint=ranged, grammar_backend="outlines"))[0]
+    assert named.outputs[0].finish_reason == "error"  # the fallback's grammar does not answer a named backend
 
 
 def test_compiles_are_cached_and_counted(llm):
