@@ -398,6 +398,12 @@ class EngineCore:
         """Ask the speculator for the decoding requests' drafts; the scheduler trims
         them to what fits the step (budget, context, max_tokens)."""
         running = self.scheduler.running
+        limit = self.speculator.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:  # a batch this large verifies no drafts
+            for request in running:
+                request.draft_token_ids = []
+            self.speculator.propose([], len(running))
+            return
         hidden = self.runner.last_hidden if self.speculator.uses_hidden_states else None
         candidates = [
             SpecRequest(

@@ -41,6 +41,10 @@ DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20)
 # kernel: SmallBatchLinear (fp32 path) and PackedLinear (bf16 path, where oneDNN's
 # packed product was as fast at 4 rows and faster at 8).
 SMALL_BATCH_ROWS = {"fp32": 4, "bf16": 2}
+# A request with at most this many new tokens after a cached context (a decode, or a
+# decode with draft tokens to verify) attends row by row through the decode kernel:
+# no gather of its context, and each row's numbers as a decode would get them.
+DECODE_ROWS_MAX = 16
 if os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS"):
     SMALL_BATCH_ROWS = dict.fromkeys(SMALL_BATCH_ROWS, int(os.environ["EMBER_CPU_SMALL_BATCH_ROWS"]))
 
@@ -126,25 +130,30 @@ class CPUAttention(BaseAttention):
             if self.kernels is None:
                 metadata.mask()
             return metadata
-        decode_rows: list[int] = []  # flat rows of the decodes
+        decode_rows: list[int] = []  # flat rows attending as decodes
         decode_requests: list[int] = []  # their request indices
+        decode_lens: list[int] = []  # their context lengths
         prefills: list[PrefillGroup] = []
         row = 0
         for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
-            if num_query == 1 and start > 0:
-                decode_rows.append(row)
-                decode_requests.append(i)
+            if start > 0 and num_query <= DECODE_ROWS_MAX:
+                # a decode, or a few tokens after a cached context (a decode with draft
+                # tokens to verify): each row attends as a decode over its own context,
+                # reading the paged cache in place, with the numbers a decode would get
+                decode_rows.extend(range(row, row + num_query))
+                decode_requests.extend([i] * num_query)
+                decode_lens.extend(range(start + 1, start + num_query + 1))
             else:
                 cached = batch.context_slots(i)[:start] if start > 0 else None
                 prefills.append(PrefillGroup(row, row + num_query, start, cached))
             row += num_query
         metadata = CPUAttentionMetadata(batch.slot_mapping, None, None, None, prefills, block_size)
         if decode_rows:  # with prefills beside them
-            index = torch.tensor(decode_requests, dtype=torch.int64, device=batch.device)
-            metadata.decode_lens, metadata.decode_token_index = batch.seq_lens[index], batch.query_start_loc[index]
-            metadata.decode_tables = _decode_tables(
-                batch.block_table[index], max(batch.start_positions[i] for i in decode_requests), block_size
-            )
+            device = batch.device
+            index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
+            metadata.decode_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
+            metadata.decode_token_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+            metadata.decode_tables = _decode_tables(batch.block_table[index], max(decode_lens) - 1, block_size)
             if self.kernels is None:
                 metadata.mask()
         return metadata
