@@ -356,16 +356,16 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if self.token_masker is not None or self.grammar.matchers:
             scheduler_output = self._add_masks(scheduler_output)
+        if self.speculator is not None and scheduler_output.draft_token_ids:
+            scheduler_output = self._add_draft_probs(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
+        if self.speculator is not None:
+            self._observe_drafts(scheduler_output, runner_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         grammar_errors = self._advance_grammars(updates) if self.grammar.matchers else None
         self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
         prompt_lps_of = (
-        if self.speculator is not None and scheduler_output.draft_token_ids:
-            scheduler_output = self._add_draft_probs(scheduler_output)
             dict(zip(runner_output.request_ids, runner_output.prompt_logprobs))
-        if self.speculator is not None:
-            self._observe_drafts(scheduler_output, runner_output)
             if runner_output.prompt_logprobs else None
         )
         for update in updates:
@@ -489,13 +489,13 @@ class EngineCore:
     def _notify_finished(self, request: Request) -> None:
         if self.grammar.matchers:
             self.grammar.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         self.plugin_manager.hook.ember_request_finished(
             request_id=request.request_id,
             finish_reason=request.finish_reason,
             num_output_tokens=request.num_output_tokens,
         )
-        if self.speculator is not None:
-            self.speculator.release(request.request_id)
 
 
 def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
