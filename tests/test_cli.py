@@ -343,7 +343,9 @@ def test_plugins_json_and_disable(capsys, monkeypatch):
     }
     assert set(data["registries"]) == {
         "backends", "model_architectures", "logits_processors", "quantizers", "speculators", "grammar_backends",
+        "tool_parsers",
     }
+    assert {e["name"] for e in data["registries"]["tool_parsers"]} >= {"hermes", "llama3_json"}
     assert {"name": "cpu", "plugin": "cpu", "implementation": "ember.hardware.cpu.CPUBackend", "available": True,
             "unavailable_reason": None} in data["registries"]["backends"]
     assert "LlamaForCausalLM" not in [e["name"] for e in data["registries"]["model_architectures"]]

@@ -35,6 +35,9 @@ def free_port() -> int:
         (["--kv-cache-memory", "lots"], "'lots' is not a size"),
         (["--kv-cache-memory", "0GiB"], "'0GiB' is not a size of at least 1 byte"),
         (["--max-batch-size", "0"], "--max-batch-size must be a positive integer"),
+        (["--grammar-backend", "nope"],
+         "--grammar-backend 'nope' is not a registered grammar backend; registered: outlines, xgrammar"),
+        (["--grammar-compile-timeout", "0"], "--grammar-compile-timeout must be > 0 seconds, got 0.0"),
     ],
 )
 def test_contradictory_limits_are_refused_before_loading(capsys, argv, message):
