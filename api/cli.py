@@ -140,6 +140,16 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )
+    speculative = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    speculative.add_argument(
+        "--speculate", metavar="N", type=int, default=None,
+        help="verify up to N draft tokens per step, proposed by n-gram prompt lookup (TGI's flag) [EMBER_SPECULATE]",
+    )
+    speculative.add_argument(
+        "--speculative-config", metavar="JSON", default=None,
+        help="vLLM's form, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' "
+        "[EMBER_SPECULATIVE_CONFIG]",
+    )
     production = parser.add_argument_group("production (docs/operations.md)")
     production.add_argument(
         "--api-key", metavar="KEY", default=None,

@@ -148,6 +148,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
     "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
     "request_body_timeout": EnvOption("EMBER_REQUEST_BODY_TIMEOUT", float),
+    "speculate": EnvOption("EMBER_SPECULATE", int),
+    "speculative_config": EnvOption("EMBER_SPECULATIVE_CONFIG", str),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -181,10 +183,10 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "disable_chunked_prefill": False,
     "cuda_graphs": None,  # None: the engine's default sizes where the device has graphs
     "enforce_eager": False,
-    "watermark_key": None,  # None: the watermark plugin's own defaults
-    "watermark_gamma": None,
     "grammar_backend": "outlines",
     "grammar_compile_timeout": 60.0,
+    "watermark_key": None,  # None: the watermark plugin's own defaults
+    "watermark_gamma": None,
     "watermark_delta": None,
     "api_key": None,
     "cors_allow_origin": [],
@@ -193,6 +195,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "otlp_service_name": "ember",
     "graceful_termination_timeout": 30.0,
     "request_body_timeout": 30.0,
+    "speculate": None,
+    "speculative_config": None,
 }
 
 

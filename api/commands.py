@@ -97,6 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
         otlp_service_name=args.otlp_service_name,
         graceful_termination_timeout=args.graceful_termination_timeout,
         request_body_timeout=args.request_body_timeout,
+        speculative_config=_speculative_config(args),
     )
     try:
         serve(settings)
@@ -249,6 +250,20 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  " + "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     return "\n".join(lines)
+
+
+def _speculative_config(args: argparse.Namespace):
+    """--speculate N (TGI: n-gram drafts) or --speculative-config JSON (vLLM), checked
+    here so that a bad value fails before the model loads."""
+    from ember.speculative import SpeculativeConfig
+
+    if args.speculate is not None and args.speculative_config is not None:
+        raise ValueError("give --speculate or --speculative-config, not both")
+    if args.speculate is not None:
+        if args.speculate < 1:
+            raise ValueError(f"--speculate must be a positive number of draft tokens, got {args.speculate}")
+        return SpeculativeConfig("ngram", args.speculate)
+    return SpeculativeConfig.parse(args.speculative_config)
 
 
 def _watermark_options(args: argparse.Namespace) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
@@ -76,11 +77,11 @@ class ServerSettings:
     # decode batch sizes in device graphs (TGI's --cuda-graphs; () turns them off); None: the engine's
     graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
-    required_plugins: tuple[str, ...] = field(default_factory=tuple)
     # grammar-guided decoding (docs/grammar.md): the backend of requests that name none,
     # and how long a request may wait for its grammar
     grammar_backend: str = "outlines"
     grammar_compile_timeout: float = 60.0
+    required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
     processor_options: dict = field(default_factory=dict)
@@ -94,6 +95,8 @@ class ServerSettings:
     # Seconds a client gets to send a request's whole body once its headers arrived
     # (slow or stalled uploads are answered 408 and do not count as in flight).
     request_body_timeout: float = 30.0
+    # speculative decoding (docs/speculative.md): an ember.speculative.SpeculativeConfig or None
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
@@ -121,11 +124,11 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
         if self.max_stop_sequences < 0:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
         if self.kv_cache_memory is not None and self.max_batch_total_tokens is not None:
-        if not self.grammar_compile_timeout > 0:
-            raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
             raise ValueError(
                 f"give --kv-cache-memory ({self.kv_cache_memory} bytes) or --max-batch-total-tokens "
                 f"({self.max_batch_total_tokens} tokens), not both: each sizes the KV cache"
@@ -278,19 +281,21 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory
     if settings.max_batch_size is not None:
         kwargs["max_num_seqs"] = settings.max_batch_size
+    if settings.speculative_config is not None:
+        kwargs["speculative_config"] = settings.speculative_config
     if settings.num_threads is not None:
         kwargs["num_threads"] = settings.num_threads
     if settings.graph_sizes is not None:
         kwargs["graph_sizes"] = settings.graph_sizes
     if settings.enforce_eager:
         kwargs["enforce_eager"] = True
+    kwargs["grammar_backend"] = settings.grammar_backend
+    kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
     return kwargs
 
 
 def resolve_limits(
     settings: ServerSettings, max_model_len: int, num_kv_tokens: int, step_tokens: int | None = None
-    kwargs["grammar_backend"] = settings.grammar_backend
-    kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
 ) -> ResolvedLimits:
     """Fill the derived limits from the loaded engine (``step_tokens``: its per-step
     token budget) and check them against it."""

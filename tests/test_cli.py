@@ -328,7 +328,9 @@ def test_plugins_lists_plugins_and_registries(capsys):
         line.split() == ["model_architectures", "LlamaForCausalLM", "llama", "ember.models.llama.LlamaForCausalLM"]
         for line in lines
     )
-    assert any(line.split() == ["speculators", "(none)"] for line in lines)
+    assert any(line.split() == ["speculators", "ngram", "speculative_ngram",
+                                "ember.plugins.speculative.ngram.NgramSpeculator"] for line in lines)
+    assert any(line.split() == ["quantizers", "(none)"] for line in lines)
 
 
 def test_plugins_json_and_disable(capsys, monkeypatch):

@@ -250,3 +250,22 @@ def test_a_speculator_breaking_the_contract_is_named():
         decoder.propose(_requests(1), 1)
     with pytest.raises(RuntimeError, match="returned 1 proposals for 2 requests"):
         decoder.propose(_requests(2), 2)
+
+
+def test_serve_flags_speculate_and_speculative_config(capsys):
+    import argparse
+
+    from ember.api.commands import _speculative_config
+    from ember.api.settings import ServerSettings, engine_config_kwargs
+
+    def args(speculate=None, config=None):
+        return argparse.Namespace(speculate=speculate, speculative_config=config)
+
+    assert _speculative_config(args(3)) == SpeculativeConfig("ngram", 3)  # TGI's --speculate 3
+    config = _speculative_config(args(config='{"method": "ngram", "num_speculative_tokens": 6}'))
+    assert config.num_speculative_tokens == 6 and _speculative_config(args()) is None
+    with pytest.raises(ValueError, match="give --speculate or --speculative-config, not both"):
+        _speculative_config(args(2, "{}"))
+    with pytest.raises(ValueError, match="--speculate must be a positive number"):
+        _speculative_config(args(0))
+    assert engine_config_kwargs(ServerSettings(speculative_config=config))["speculative_config"] == config
