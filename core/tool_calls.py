@@ -38,6 +38,9 @@ class ToolSetup:
     max_calls: int | None = None  # 1 when parallel calls are off, else no limit
 
 
+NO_TOOLS = ToolSetup((), "none", None, None)  # a chat without tools
+
+
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools`` list: ``{"type": "function", "function": {"name", "description"?,
     "parameters"?}}`` entries with distinct names; ValueError naming the bad one."""
@@ -123,7 +126,7 @@ def setup_tools(
     tools = check_tools(tools) if tools is not None else []
     choice, name = resolve_choice(tools, tool_choice)
     if choice == "none":
-        return ToolSetup((), "none", None, None)
+        return NO_TOOLS
     max_calls = 1 if parallel_tool_calls is False else None
     if choice == "auto":
         parser = select_tool_parser(registry, chat_template)

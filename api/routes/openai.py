@@ -35,7 +35,7 @@ from ember.api.structured_outputs import check_backend, failure, openai_constrai
 from ember.grammar import Constraint
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
-from ember.tool_calls import ToolSetup, chat_messages, setup_tools
+from ember.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
 from ember.tool_parser import BaseToolParser, ParserDelta
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -440,7 +440,7 @@ class OpenAIRoutes:
             if body.stream:
                 return await self._stream(lambda outs: self._completion_events(reply, jobs, outs), jobs)
             outs = await self._run(request, jobs)
-            if outs is not None:
+            if outs is not None and jobs[0].params.constraint is not None:
                 self._check_failures(outs, jobs)
         except APIError as exc:
             return error_response(exc, Flavor.OPENAI)
@@ -470,8 +470,10 @@ class OpenAIRoutes:
                 f"`prompt` holds {len(prompts)} prompts; at most --max-concurrent-requests "
                 f"({self.service.limits.max_concurrent_requests}) can run at once", "prompt",
             )
-        constraint, param = openai_constraint(body)
-        check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
+        constraint, param = None, None
+        if body.has_structured_output:
+            constraint, param = openai_constraint(body)
+            check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
         jobs = []
         for index, (text, ids, name) in enumerate(prompts):
             max_tokens = self._max_tokens(len(ids), body.max_tokens, name, "max_tokens")
@@ -512,7 +514,7 @@ class OpenAIRoutes:
         pending = [_Pending() for _ in choice_jobs]  # tokens whose logprobs are not sent yet
         async with aclosing(outputs) as outs:
             async for index, out in outs:
-                error = failure(out, jobs[0].constraint_param)
+                error = failure(out, jobs[0].constraint_param) if out.outputs[0].finish_reason == "error" else None
                 if error is not None:
                     raise error
                 num_tokens += len(out.new_token_ids)
@@ -542,7 +544,7 @@ class OpenAIRoutes:
                                      reply.system_fingerprint, reply.include_usage)
                 return await self._stream(lambda outs: self._chat_events(chunk_reply, job, setup, outs), [job])
             outs = await self._run(request, [job])
-            if outs is not None:
+            if outs is not None and job.params.constraint is not None:
                 self._check_failures(outs, [job])
         except APIError as exc:
             return error_response(exc, Flavor.OPENAI)
@@ -573,14 +575,15 @@ class OpenAIRoutes:
         check_not_yet(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise validation_error("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        setup = self._tool_setup(body)
-        constraint, param = openai_constraint(body)
+        setup = self._tool_setup(body) if body.tools or body.tool_choice is not None else NO_TOOLS
+        constraint, param = openai_constraint(body) if body.has_structured_output else (None, None)
         if setup.forced is not None:
             if constraint is not None:
                 raise bad_request(f"`{param}` cannot constrain an answer that tool_choice {setup.choice!r} forces "
                                   "to be a tool call", param)
             constraint, param = setup.forced, "tool_choice"
-        check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
+        if constraint is not None or body.guided_decoding_backend is not None:
+            check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
             raise validation_error(
                 f"`max_tokens` ({body.max_tokens}) and `max_completion_tokens` ({body.max_completion_tokens}) "
@@ -628,7 +631,10 @@ class OpenAIRoutes:
         self.service.check_chars("".join(m["content"] for m in plain), "messages")
         client = self.service.client
         try:
-            plain, tools = chat_messages(plain, setup, client.plugin_manager.registries.tool_parsers, client.chat_template)
+            tools = None
+            if setup.tools or any("tool_calls" in m for m in plain):
+                registry = client.plugin_manager.registries.tool_parsers
+                plain, tools = chat_messages(plain, setup, registry, client.chat_template)
             return client.apply_chat_template(plain, tools)
         except (ValueError, TemplateError) as exc:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
@@ -671,7 +677,7 @@ class OpenAIRoutes:
 
         async with aclosing(outputs) as outs:
             async for index, out in outs:
-                error = failure(out, job.constraint_param)
+                error = failure(out, job.constraint_param) if out.outputs[0].finish_reason == "error" else None
                 if error is not None:
                     raise error
                 num_tokens += len(out.new_token_ids)

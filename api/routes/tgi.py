@@ -160,7 +160,7 @@ class TGIRoutes:
                 out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
-        error = failure(out, "grammar")
+        error = failure(out, "grammar") if params.constraint is not None else None
         if error is not None:
             raise error
         # best_of: the engine ranked the candidates by mean logprob (as TGI); the best
@@ -251,7 +251,7 @@ class TGIRoutes:
 
         try:
             async for out in outputs():
-                error = failure(out, "grammar")
+                error = failure(out, "grammar") if params.constraint is not None else None
                 if error is not None:
                     raise error
                 completion = out.outputs[0]

@@ -138,6 +138,15 @@ class SamplingFields(Strict):
         return _one_of(value, handler, "a string, a list of strings, or null")
 
     @property
+    def has_structured_output(self) -> bool:
+        """Whether any structured-output field is set (plain requests skip that code)."""
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or any(value is not None for value in (
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
+            self.guided_decoding_backend, self.structured_outputs,
+        ))
+
+    @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
