@@ -326,6 +326,26 @@ class _EngineCollector(Collector):
                                   "(invalid or unsupported constraints)", value=stats.num_grammar_compile_errors)
         yield CounterMetricFamily("ember_grammar_compile_timeouts", "Requests that waited past "
                                   "--grammar-compile-timeout for their grammar", value=stats.num_grammar_compile_timeouts)
+        spec = stats.speculation
+        if spec is not None:  # vLLM's spec_decode counters, per method
+            for name, key, doc in (
+                ("ember_spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed and verified"),
+                ("ember_spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
+                ("ember_spec_decode_num_emitted_tokens", "num_emitted_tokens",
+                 "Tokens emitted by steps verifying drafts (accepted plus one per verification)"),
+                ("ember_spec_decode_num_drafts", "num_proposals", "Verifications of a request's drafts"),
+            ):
+                family = CounterMetricFamily(name, doc, labels=["method"])
+                family.add_metric([spec["method"]], spec[key])
+                yield family
+            for name, key, doc in (
+                ("ember_spec_decode_acceptance_rate", "acceptance_rate", "Accepted / proposed draft tokens, since start"),
+                ("ember_spec_decode_mean_accepted_length", "mean_accepted_length",
+                 "Tokens emitted per verification (1 + accepted drafts), since start"),
+            ):
+                family = GaugeMetricFamily(name, doc, labels=["method"])
+                family.add_metric([spec["method"]], spec[key])
+                yield family
 
 
 # -- tracing -----------------------------------------------------------------------

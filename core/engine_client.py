@@ -77,6 +77,8 @@ class EngineStats:
     num_grammar_cache_hits: int = 0
     num_grammar_compile_errors: int = 0
     num_grammar_compile_timeouts: int = 0
+    # speculative decoding (ember.speculative.SpeculationStats.to_dict()), None when off
+    speculation: dict | None = None
 
     @property
     def num_used_blocks(self) -> int:

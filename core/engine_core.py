@@ -256,6 +256,7 @@ class EngineCore:
             num_grammar_cache_hits=self.grammar.num_cache_hits,
             num_grammar_compile_errors=self.grammar.num_compile_errors,
             num_grammar_compile_timeouts=self.grammar.num_compile_timeouts,
+            speculation=self.speculator.stats.to_dict() if self.speculator is not None else None,
         )
 
     # -- requests -------------------------------------------------------------

@@ -269,3 +269,20 @@ def test_serve_flags_speculate_and_speculative_config(capsys):
     with pytest.raises(ValueError, match="--speculate must be a positive number"):
         _speculative_config(args(0))
     assert engine_config_kwargs(ServerSettings(speculative_config=config))["speculative_config"] == config
+
+
+def test_speculation_figures_reach_info_and_metrics(tiny_llama_dir):
+    import httpx
+
+    from server_utils import running_server
+
+    spec = {**NGRAM, "method": "ngram"}
+    with running_server(tiny_llama_dir, engine={"speculative_config": spec}, engine_mode="process") as (url, _app):
+        prompt = "abc abc abc abc abc abc abc abc"
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "do_sample": False}}
+        assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+        info = httpx.get(f"{url}/info", timeout=10).json()["speculation"]
+        assert info["method"] == "ngram" and info["num_draft_tokens"] >= info["num_accepted_tokens"] >= 0
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert f'ember_spec_decode_num_draft_tokens_total{{method="ngram"}} {float(info["num_draft_tokens"])}' in metrics
+    assert 'ember_spec_decode_acceptance_rate{method="ngram"}' in metrics

@@ -73,6 +73,8 @@ class CommonRoutes:
                 "num_threads": model.num_threads,
                 "chunked_prefill": model.is_chunked_prefill,
                 "kv_block_size": model.block_size,
+                # speculative decoding: method, proposed/accepted/emitted tokens, rates (None when off)
+                "speculation": stats.speculation,
             }
         )
 

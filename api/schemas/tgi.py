@@ -150,3 +150,6 @@ class Info(BaseModel):
     prefix_caching: bool
     prefix_cache_hit_rate: float
     chunked_prefill: bool
+    # speculative decoding: method, proposed / accepted / emitted tokens, acceptance rate,
+    # mean accepted length (null when off)
+    speculation: dict | None = None
