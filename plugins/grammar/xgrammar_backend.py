@@ -57,6 +57,23 @@ def _bounded_string_pattern(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+# RFC 3339 date-time with at most 9 fraction digits: xgrammar's own allows any number,
+# and a small model can loop there until max_tokens. Days are those every year has
+# (no 29 February), so every date it admits is valid.
+_DATE = r"\d{4}-((0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+DATE_TIME_PATTERN = (
+    rf"^{_DATE}T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{{1,9}})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)$"
+)
+
+
+def _bounded_date_time(node: dict[str, Any]) -> dict[str, Any]:
+    """``format: date-time`` as `DATE_TIME_PATTERN`."""
+    if node.get("type") == "string" and node.get("format") == "date-time" and "pattern" not in node:
+        del node["format"]
+        node["pattern"] = DATE_TIME_PATTERN
+    return node
+
+
 class XGrammarGrammar(BaseCompiledGrammar):
     def __init__(self, compiled, context: GrammarContext) -> None:
         self.compiled = compiled
@@ -129,7 +146,7 @@ class XGrammarBackend(BaseGrammarBackend):
         if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
             schema = constraint.schema
             check_schema(schema, self.name, KEYWORDS, FORMATS, (exclusive_keywords, lengths_alone, _integer_multiple_of))
-            schema = rewrite_schema(schema, _bounded_string_pattern)
+            schema = rewrite_schema(rewrite_schema(schema, _bounded_string_pattern), _bounded_date_time)
         try:
             if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
                 compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
