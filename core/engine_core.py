@@ -411,6 +411,7 @@ class EngineCore:
                 r.request_id, r.prompt_token_ids, r.output_token_ids,
                 min(self.max_model_len - r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens - 1),
                 r.sampling_params.temperature, hidden.get(r.request_id) if hidden else None,
+                r.sampling_params.seed,
             )
             for r in running
             if r.num_computed_tokens == r.num_tokens - 1  # decoding

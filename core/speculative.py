@@ -131,6 +131,9 @@ class SpecRequest:
     # the target model's hidden state at the request's last token, (hidden,), when
     # the speculator asks for it (uses_hidden_states) and it is known, else None
     hidden: torch.Tensor | None = None
+    # the request's seed: a speculator that samples draws its drafts from a generator
+    # of its own seeded with it, so that seeded requests stay reproducible
+    seed: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -286,3 +286,83 @@ def test_speculation_figures_reach_info_and_metrics(tiny_llama_dir):
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert f'ember_spec_decode_num_draft_tokens_total{{method="ngram"}} {float(info["num_draft_tokens"])}' in metrics
     assert 'ember_spec_decode_acceptance_rate{method="ngram"}' in metrics
+
+
+# -- the draft model ------------------------------------------------------------------------------
+
+def test_a_draft_model_identical_to_the_target_has_every_greedy_draft_accepted(tiny_llama_dir, batch_invariant):
+    """The target as its own draft (same weights, same numbers in batch-invariant
+    mode): every draft is the target's own next token."""
+    engine_args = dict(dtype="float32", num_kv_tokens=2048, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[40, 41, 42], list(range(50, 80)), [7] * 5]
+    expected = _outputs(LLM(str(tiny_llama_dir), **engine_args), prompts, params)
+    config = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4,
+              "disable_by_batch_size": None}
+    llm = LLM(str(tiny_llama_dir), speculative_config=config, **engine_args)
+    assert _outputs(llm, prompts, params) == expected
+    stats = llm.engine.core.speculator.stats
+    assert stats.num_draft_tokens > 20 and stats.acceptance_rate == 1.0, stats
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_outputs_with_a_different_draft_model_equal_those_without(kind, tmp_path, batch_invariant):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_tiny_model(kind, target, seed=1)
+    make_tiny_model(kind, draft, seed=2, num_hidden_layers=1)
+    engine_args = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = _outputs(LLM(str(target), **engine_args), REPEATING, params)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None,
+              "min_acceptance_rate": 0.0}
+    llm = LLM(str(target), speculative_config=config, **engine_args)
+    assert _outputs(llm, REPEATING, params) == expected
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.core.speculator.stats.num_draft_tokens > 0
+
+
+def test_sampling_with_a_draft_model_sends_its_distributions_and_is_reproducible(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_tiny_model("llama", target, seed=8)
+    make_tiny_model("llama", draft, seed=9, num_hidden_layers=1)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None,
+              "min_acceptance_rate": 0.0}
+    llm = LLM(str(target), dtype="float32", num_kv_tokens=1024, speculative_config=config)
+    [proposal] = llm.engine.core.speculator.speculator.propose([SpecRequest("x", [40, 41, 42], [], 3, 0.8)])
+    assert len(proposal.token_ids) == 3 and proposal.probs.shape == (3, llm.engine.model_info.vocab_size)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True)
+    assert _outputs(llm, [[40, 41, 42]], params) == _outputs(llm, [[40, 41, 42]], params)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    vocab_file = json.loads((other / "tokenizer.json").read_text())
+    vocab = vocab_file["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab["renamed-token"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(vocab_file))
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=256,
+            speculative_config={"method": "draft_model", "model": str(other)})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=256, speculative_config={"method": "draft_model"})
+
+
+def test_a_full_draft_pool_evicts_other_requests_state_and_outputs_stay_exact(tmp_path, monkeypatch, batch_invariant):
+    from ember.plugins.speculative import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_KV_TOKENS", 128)  # 8 blocks: less than the batch needs
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_tiny_model("llama", target, seed=1)
+    make_tiny_model("llama", draft, seed=2, num_hidden_layers=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine_args = dict(dtype="float32", num_kv_tokens=4096, block_size=16)
+    expected = _outputs(LLM(str(target), **engine_args), REPEATING, params)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None,
+              "min_acceptance_rate": 0.0}
+    llm = LLM(str(target), speculative_config=config, **engine_args)
+    assert _outputs(llm, REPEATING, params) == expected
+    assert llm.engine.core.speculator.stats.num_draft_tokens > 0
