@@ -366,3 +366,53 @@ def test_a_full_draft_pool_evicts_other_requests_state_and_outputs_stay_exact(tm
     llm = LLM(str(target), speculative_config=config, **engine_args)
     assert _outputs(llm, REPEATING, params) == expected
     assert llm.engine.core.speculator.stats.num_draft_tokens > 0
+
+
+# -- Medusa heads ---------------------------------------------------------------------------------
+
+def _medusa_heads(out_dir, hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1, seed: int = 0):
+    """Random heads written as FasterDecoding/Medusa publishes them."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            tensors[f"{i}.{j}.linear.weight"] = torch.randn(hidden, hidden, generator=gen) * 0.1
+            tensors[f"{i}.{j}.linear.bias"] = torch.randn(hidden, generator=gen) * 0.1
+        tensors[f"{i}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=gen)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "medusa_lm_head.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers}))
+    return tensors
+
+
+def test_medusa_heads_propose_their_argmaxes_from_the_targets_hidden_state(tiny_llama_dir, tmp_path, batch_invariant):
+    llm0 = LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=1024)
+    hidden, vocab = llm0.engine.core.hf_config.hidden_size, llm0.engine.model_info.vocab_size
+    tensors = _medusa_heads(tmp_path / "heads", hidden, vocab)
+    config = {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3,
+              "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=1024, speculative_config=config)
+    speculator = llm.engine.core.speculator.speculator
+    h = torch.randn(hidden, generator=torch.Generator().manual_seed(1))
+    [proposal] = speculator.propose([SpecRequest("x", [1], [], 3, 0.0, h)])
+    expected = []
+    for i in range(3):
+        x = h + torch.nn.functional.silu(tensors[f"{i}.0.linear.weight"] @ h + tensors[f"{i}.0.linear.bias"])
+        expected.append(int((tensors[f"{i}.1.weight"] @ x).argmax()))
+    assert proposal.token_ids == expected
+    # in the engine: the runner hands over each request's hidden state; greedy outputs are unchanged
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[40, 41, 42], list(range(50, 80))]
+    assert _outputs(llm, prompts, params) == _outputs(llm0, prompts, params)
+    assert llm.engine.core.speculator.stats.num_draft_tokens > 0
+
+
+def test_medusa_checkpoints_that_do_not_fit_are_refused_by_name(tiny_llama_dir, tmp_path):
+    _medusa_heads(tmp_path / "wrong", hidden=8, vocab=50)
+    for path, message in [(tmp_path / "wrong", "a block of shape \\(8, 8\\), the target's hidden size is"),
+                          (tmp_path / "none", "no config.json")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=256,
+                speculative_config={"method": "medusa", "model": str(path)})
