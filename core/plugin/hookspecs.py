@@ -67,7 +67,8 @@ def ember_register_quantizers(registry: Registry) -> None:
 
 @hookspec
 def ember_register_speculators(registry: Registry) -> None:
-    """Register speculative decoding methods by name (contract filled by a later issue)."""
+    """Register speculators by name: subclasses of
+    :class:`ember.speculative.BaseSpeculator` (docs/speculative.md)."""
 
 
 @hookspec
