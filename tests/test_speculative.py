@@ -416,3 +416,24 @@ def test_medusa_checkpoints_that_do_not_fit_are_refused_by_name(tiny_llama_dir, 
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=256,
                 speculative_config={"method": "medusa", "model": str(path)})
+
+
+def test_ember_bench_reports_the_speculation_of_its_run(tiny_llama_dir, tmp_path, capsys):
+    from ember.api.bench.cli import speculation_delta
+    from ember.api.cli import main
+
+    out = tmp_path / "offline.json"
+    config = json.dumps({**NGRAM})
+    status = main(["bench", "offline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--engine-arg",
+                   "num_kv_blocks=64", "--engine-arg", f"speculative_config={config}", "--dataset", "random",
+                   "--num-prompts", "2", "--max-tokens", "12", "--no-progress", "--result-file", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    spec = json.loads(out.read_text())["speculation"]
+    assert spec["method"] == "ngram" and "speculation (ngram):" in printed
+    before = {"method": "ngram", "num_steps": 1, "num_proposals": 2, "num_draft_tokens": 8, "num_accepted_tokens": 2,
+              "num_emitted_tokens": 4}
+    after = {**before, "num_steps": 3, "num_proposals": 4, "num_draft_tokens": 16, "num_accepted_tokens": 8,
+             "num_emitted_tokens": 10}
+    delta = speculation_delta(before, after)
+    assert (delta["acceptance_rate"], delta["mean_accepted_length"], delta["num_steps"]) == (0.75, 3.0, 2)

@@ -206,6 +206,10 @@ def _finish(result: dict[str, Any], args: argparse.Namespace) -> int:
     from ember.api.bench.report import format_summary
 
     print(format_summary(result))
+    spec = result.get("speculation")
+    if spec:
+        print(f"speculation ({spec['method']}): {spec['num_draft_tokens']} draft tokens, acceptance rate "
+              f"{spec['acceptance_rate']:.2f}, mean accepted length {spec['mean_accepted_length']:.2f}")
     if args.result_file is not None:
         try:
             Path(args.result_file).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -242,8 +246,36 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(resolve_model(args.tokenizer, progress=args.progress))
     requests = create_requests(spec, tokenizer)
     extra = {**_dataset_config(spec), "tokenizer": args.tokenizer}
+    before = _server_speculation(client)
     result = benchmark_serve(client, load, requests, tokenizer, args.label, extra)
+    after = _server_speculation(client)
+    if before is not None and after is not None:
+        result["speculation"] = speculation_delta(before, after)
     return _finish(result, args)
+
+
+def _server_speculation(client) -> dict | None:
+    """The server's speculation counters from its ``/info`` (Ember's), or None where it
+    has none (speculation off, or a server without them)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
+    try:
+        info = httpx.get(client.base_url.rstrip("/") + "/info", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    spec = info.get("speculation") if isinstance(info, dict) else None
+    return spec if isinstance(spec, dict) else None
+
+
+def speculation_delta(before: dict, after: dict) -> dict:
+    """Speculation figures of what ran between two snapshots of the counters."""
+    counts = ("num_steps", "num_proposals", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    delta = {key: after[key] - before[key] for key in counts}
+    delta["method"] = after["method"]
+    delta["acceptance_rate"] = delta["num_accepted_tokens"] / delta["num_draft_tokens"] if delta["num_draft_tokens"] else 0.0
+    delta["mean_accepted_length"] = delta["num_emitted_tokens"] / delta["num_proposals"] if delta["num_proposals"] else 0.0
+    return delta
 
 
 def run_bench_offline(args: argparse.Namespace) -> int:
@@ -265,6 +297,9 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     extra = {**_dataset_config(spec), "model": args.model_id, "dtype": args.dtype, "engine_args": engine_args}
     label = args.label or f"offline:{Path(str(args.model_id)).name if args.model_id else 'default'}"
     result = benchmark_offline(engine, requests, load, args.temperature, args.ignore_eos, label, extra)
+    speculator = engine.core.speculator
+    if speculator is not None:
+        result["speculation"] = speculator.stats.to_dict()
     return _finish(result, args)
 
 
