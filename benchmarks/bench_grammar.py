@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -103,22 +101,6 @@ def fifty_property_schema(ranges: bool) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
-def machine() -> dict:
-    info = {"python": platform.python_version(), "model_name": None, "flags": []}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                info["model_name"] = value.strip()
-            if key.strip() == "Flags":
-                flags = value.split()
-                info["flags"] = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
 class GrammarTimer:
     """Wraps the engine's grammar manager's ``masks`` and ``advance`` (instance
     attributes shadow the methods) to add up the time the step spends in them."""
@@ -151,6 +133,7 @@ def main() -> int:
     import torch
 
     from ember import LLM, SamplingParams
+    from ember.api.bench.core_step import machine_info
     from ember.grammar import Constraint, UnsupportedFeatureError
     from ember.llm import encode_chat
     from ember.weights import resolve_model
@@ -303,7 +286,7 @@ def main() -> int:
               f"{engine['unconstrained']['request_s'] * 1000:.1f} ms", flush=True)
 
     result = {
-        "machine": machine(), "torch": torch.__version__, "dtype": args.dtype,
+        "machine": machine_info(), "torch": torch.__version__, "dtype": args.dtype,
         "model_dtype": str(core.dtype), "model": str(model_dir), "max_tokens": args.max_tokens,
         "decode_schema": DECODE_SCHEMA, "greedy": True, "ignore_eos": True,
         "batch1": {"requests_per_arm": len(prompts), **batch1},
@@ -314,7 +297,7 @@ def main() -> int:
                                 "boolean), date string, integer array, pattern string; all required",
         "wall_s": time.perf_counter() - run_started,
     }
-    print(f"machine: {result['machine']['model_name']}; flags {' '.join(result['machine']['flags'])}; "
+    print(f"machine: {result['machine']['cpu_model']}; flags {' '.join(f for f, on in result['machine']['flags'].items() if on)}; "
           f"model dtype {result['model_dtype']}; total {result['wall_s']:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,22 +74,6 @@ TASKS = [
 ]
 
 
-def machine() -> dict:
-    info = {"python": platform.python_version(), "model_name": None, "flags": []}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                info["model_name"] = value.strip()
-            if key.strip() == "Flags":
-                flags = value.split()
-                info["flags"] = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
@@ -104,6 +86,7 @@ def main() -> int:
     import torch
 
     from ember import LLM, SamplingParams
+    from ember.api.bench.core_step import machine_info
     from ember.llm import encode_chat
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
@@ -158,10 +141,10 @@ def main() -> int:
     print(f"{args.concurrency} concurrent: {base:.1f} -> {concurrent['ngram']:.1f} tok/s (x{concurrent['ratio']:.3f}; "
           f"plain measured before and after)", flush=True)
 
-    result = {"machine": machine(), "torch": torch.__version__, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    result = {"machine": machine_info(), "torch": torch.__version__, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "speculative_config": spec, "batch1": batch1, "concurrent": {"requests": args.concurrency, **concurrent},
               "speculator_stats": stats.to_dict()}
-    print(f"machine: {result['machine']['model_name']}; flags {' '.join(result['machine']['flags'])}")
+    print(f"machine: {result['machine']['cpu_model']}; flags {' '.join(f for f, on in result['machine']['flags'].items() if on)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
