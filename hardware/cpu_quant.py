@@ -1,0 +1,229 @@
+"""Native CPU kernels for GGUF quantized weights (``csrc/ember_quant.c``), and the
+choice of their instruction set.
+
+``QuantKernels.linear`` computes ``x @ W.T (+ b)`` for W kept in its GGUF type
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): the activation rows are quantized
+to 8 bits per block of 32 (llama.cpp's scheme) and multiplied with the weights'
+integers exactly, each block's sum scaled in float. Few rows (a decode step) run this
+way, reading the packed bytes only; many rows (prefill) dequantize the weight into
+float32 (``dequantize``, bit for bit ``gguf.quants.dequantize``) and run PyTorch's
+GEMM, which is compute-bound there and faster than integer dot products one row at a
+time. ``MAX_KERNEL_ROWS`` is the crossover measured on SmolLM2's shapes.
+
+Instruction sets (``ISAS``): ``avx512vnni`` (``_mm256_dpbusd_epi32``), ``avx2``
+(``_mm256_maddubs_epi16``), ``ref`` (plain C, the check for the others). One library
+holds them all, each compiled under its own target attribute; ``select_isa`` picks the
+best the CPU's flags allow, once, logged, and ``EMBER_QUANT_ISA=avx512vnni|avx2|ref``
+forces one (refused, naming the missing flags, where the CPU cannot run it). No AMX
+variant yet.
+
+The library is compiled and trusted as ``ember.hardware.cpu_kernels`` does its own
+(``cpu_kernels.build``: once per machine, into ``<ember cache>/kernels/``, sha256
+recorded and checked before loading). ``EMBER_CPU_NATIVE=0`` turns it off with the
+others; where it cannot be built or loaded, ``load()`` returns None (reason logged)
+and quantized linears dequantize per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from ember.hardware import cpu_kernels
+from ember.hardware.cpu_paths import cpu_flags
+from ember.hardware.trusted_library import UntrustedKernelError, load_checked
+from ember.weights.gguf_quants import quant_type
+
+logger = logging.getLogger(__name__)
+
+SOURCE = "ember_quant.c"
+ISAS = ("avx512vnni", "avx2", "ref")  # best first
+ISA_IDS = {"ref": 0, "avx2": 1, "avx512vnni": 2}
+# the whole library is compiled with -mavx2 -mfma (cpu_kernels.FLAGS), ref included
+ISA_CPU_FLAGS = {
+    "avx512vnni": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "avx2": ("avx2", "fma"),
+    "ref": ("avx2", "fma"),
+}
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Products of up to this many rows take the integer kernel; more dequantize and GEMM.
+# SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
+MAX_KERNEL_ROWS = 8
+
+
+def runnable_isas(flags: set[str]) -> list[str]:
+    """The instruction sets whose CPU flags are all in ``flags``, best first."""
+    return [isa for isa in ISAS if all(flag in flags for flag in ISA_CPU_FLAGS[isa])]
+
+
+def select_isa(flags: set[str] | None = None, environ=os.environ) -> tuple[str, str]:
+    """``(isa, why)``: ``EMBER_QUANT_ISA`` if set (and runnable here), else the best the
+    CPU can run. ValueError naming the value for an unknown ISA or one whose flags the
+    CPU lacks; RuntimeError when it can run none (no AVX2/FMA)."""
+    flags = cpu_flags() if flags is None else flags
+    forced = environ.get("EMBER_QUANT_ISA", "auto").strip().lower() or "auto"
+    runnable = runnable_isas(flags)
+    if forced != "auto":
+        if forced not in ISAS:
+            raise ValueError(f"EMBER_QUANT_ISA={forced!r} is not one of: auto, {', '.join(ISAS)}")
+        if forced not in runnable:
+            missing = [flag for flag in ISA_CPU_FLAGS[forced] if flag not in flags]
+            raise ValueError(f"EMBER_QUANT_ISA={forced!r}: this CPU lacks {', '.join(missing)}")
+        return forced, "forced by EMBER_QUANT_ISA"
+    if not runnable:
+        raise RuntimeError(f"this CPU lacks {', '.join(f for f in ISA_CPU_FLAGS['avx2'] if f not in flags)}")
+    return runnable[0], f"the best this CPU runs (runnable: {', '.join(runnable)})"
+
+
+class QuantKernels:
+    """The loaded library, with the instruction set ``isa`` used by default."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str) -> None:
+        self.path = path
+        self.isa = isa
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._act = _fn(lib, "ember_quant_act", [vp, i64, i64, vp, vp, vp, ci], None)
+        self._linear = _fn(lib, "ember_quant_linear", [ci, ci, vp, i64, i64, vp, vp, vp, i64, vp, vp, ci], ci)
+        self._linear_f32 = _fn(lib, "ember_quant_linear_f32", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        self._dequant = _fn(lib, "ember_quant_dequant", [ci, vp, i64, i64, vp, ci], ci)
+        self._has_kernel = _fn(lib, "ember_quant_has_kernel", [ci, ci], ci)
+
+    def has_kernel(self, type_name: str, isa: str | None = None) -> bool:
+        """Whether the library has an integer kernel for ``type_name`` in ``isa``."""
+        return bool(self._has_kernel(ISA_IDS[isa or self.isa], quant_type(type_name).type_id))
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 ``x`` (M, K), K a multiple of 32 -> ``(q, d, s)``: int8 (M, K), the
+        float32 scale of each block of 32 (M, K / 32) and the int16 sum of q over each 16
+        (M, K / 16); ``x ~= d * q`` blockwise."""
+        x = _rows(x)
+        M, K = x.shape
+        if K % 32:
+            raise ValueError(f"quantize_activations: K={K} is not a multiple of 32")
+        q = torch.empty(M, K, dtype=torch.int8)
+        d = torch.empty(M, K // 32, dtype=torch.float32)
+        s = torch.empty(M, K // 16, dtype=torch.int16)
+        self._act(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), s.data_ptr(), torch.get_num_threads())
+        return q, d, s
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        type_name: str,
+        bias: torch.Tensor | None = None,
+        *,
+        isa: str | None = None,
+        max_kernel_rows: int = MAX_KERNEL_ROWS,
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for float32 ``x`` (M, K) and W given as its GGUF bytes
+        ``data`` (N, row bytes) of ``type_name``; float32 (M, N). Up to
+        ``max_kernel_rows`` rows run the integer kernel of ``isa`` (default: the
+        selected one), more dequantize W and run PyTorch's GEMM."""
+        x = _rows(x)
+        M, K = x.shape
+        N = _check_weight(data, type_name, K)
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
+            raise ValueError(f"bias must be float32 ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        if M > max_kernel_rows or not self.has_kernel(type_name, isa):
+            return torch.nn.functional.linear(x, self.dequantize(data, type_name, K), bias)
+        y = torch.empty(M, N, dtype=torch.float32)
+        rc = self._linear_f32(
+            ISA_IDS[isa or self.isa], quant_type(type_name).type_id, data.data_ptr(), N, K, x.data_ptr(), M,
+            bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+        )
+        if rc:
+            raise RuntimeError(f"ember_quant_linear_f32 failed ({rc}) for {type_name} ({N}, {K})")
+        return y
+
+    def linear_quantized(self, q, d, s, data: torch.Tensor, type_name: str, isa: str | None = None) -> torch.Tensor:
+        """The integer kernel on activations already quantized (``quantize_activations``)."""
+        M, K = q.shape
+        N = _check_weight(data, type_name, K)
+        if not self.has_kernel(type_name, isa):
+            raise ValueError(f"no {isa or self.isa} kernel for {type_name}")
+        y = torch.empty(M, N, dtype=torch.float32)
+        rc = self._linear(ISA_IDS[isa or self.isa], quant_type(type_name).type_id, data.data_ptr(), N, K,
+                          q.data_ptr(), d.data_ptr(), s.data_ptr(), M, None, y.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"ember_quant_linear failed ({rc}) for {type_name} ({N}, {K})")
+        return y
+
+    def dequantize(self, data: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+        """float32 (N, ``in_features``) of GGUF bytes ``data`` (N, row bytes); the numbers
+        of ``gguf.quants.dequantize``. Types without a native kernel dequantize in torch."""
+        N = _check_weight(data, type_name, in_features)
+        qtype = quant_type(type_name)
+        if type_name not in KERNEL_TYPES:
+            return qtype.dequantize(data)
+        out = torch.empty(N, in_features, dtype=torch.float32)
+        rc = self._dequant(qtype.type_id, data.data_ptr(), N, in_features, out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"ember_quant_dequant failed ({rc}) for {type_name} ({N}, {in_features})")
+        return out
+
+
+def _fn(lib, name: str, argtypes: list, restype):
+    function = getattr(lib, name)
+    function.argtypes = argtypes
+    function.restype = restype
+    return function
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"quantized linear takes float32 x (M, K), got {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _check_weight(data: torch.Tensor, type_name: str, in_features: int) -> int:
+    """Rows of ``data``, after checking it holds ``type_name`` rows of ``in_features`` values."""
+    row_bytes = quant_type(type_name).row_bytes(in_features)
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes or not data.is_contiguous():
+        raise ValueError(
+            f"{type_name} weight of {in_features} columns must be contiguous uint8 (N, {row_bytes}), "
+            f"got {data.dtype} {tuple(data.shape)}"
+        )
+    return data.shape[0]
+
+
+_LOADED: QuantKernels | None = None
+_TRIED = False
+
+
+def load() -> QuantKernels | None:
+    """The compiled kernels with the selected instruction set, or None where they cannot
+    run here (reason logged once). ValueError for a bad ``EMBER_QUANT_ISA``."""
+    global _LOADED, _TRIED
+    if _TRIED:
+        return _LOADED
+    reason, level = None, logging.INFO
+    isa, why = None, ""
+    if os.environ.get("EMBER_CPU_NATIVE", "1") == "0":
+        reason = "EMBER_CPU_NATIVE=0"
+    elif not sys.platform.startswith("linux"):
+        reason = f"native CPU kernels are built on Linux only (this is {sys.platform})"
+    else:
+        try:
+            isa, why = select_isa()
+        except RuntimeError as exc:
+            reason = str(exc)
+    _TRIED = True
+    if reason is None:
+        try:
+            path = cpu_kernels.build(SOURCE, cpu_kernels._cache_dir())
+            _LOADED = QuantKernels(load_checked(path), path, isa)
+        except UntrustedKernelError as exc:
+            reason, level = str(exc), logging.WARNING
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            reason = str(exc)
+    if _LOADED is None:
+        logger.log(level, "native GGUF kernels off (%s): quantized weights are dequantized per product", reason)
+    else:
+        logger.info("native GGUF kernels loaded from %s: instruction set %s (%s)", _LOADED.path, isa, why)
+    return _LOADED

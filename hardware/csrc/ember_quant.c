@@ -1,0 +1,496 @@
+/* Ember's CPU kernels for GGUF quantized weights (OpenMP), built and loaded by
+ * ember/hardware/cpu_quant.py, which checks every argument before calling in.
+ *
+ *   ember_quant_act     float32 activations (M, K) -> 8-bit blocks of 32: int8 q, float d,
+ *                       and the int16 sum of q over each half block (what offsets need)
+ *   ember_quant_linear  y = x @ W.T (+ b) for W (N, K) in a GGUF type and x given as
+ *                       ember_quant_act's blocks, with one instruction set's kernel
+ *   ember_quant_linear_f32  both in one call, from float32 x
+ *   ember_quant_dequant W -> float32 (N, K), the same numbers as gguf.quants.dequantize
+ *
+ * The product is llama.cpp's: the activation row is quantized to 8 bits per block of 32
+ * (d = max|x| / 127, q = round(x / d)) and every weight block's integers are multiplied
+ * with the activation's integers exactly, in int32; each block's sum is then scaled in
+ * float. Every type is written as  w = a * u + c  over sub-blocks, u an unsigned integer
+ * (4, 5 or 6 bits), so  sum(w x) = a dx sum(u q) + c dx sum(q): the first term is what
+ * the SIMD units do (unsigned x signed bytes), the second uses the block sums. Q8_0 is
+ * signed: its sign moves onto the activation (|w| x sign(w) q), as llama.cpp does.
+ *
+ * One kernel body is compiled per instruction set (this file includes itself): avx2 (the
+ * byte products by _mm256_maddubs_epi16 + _mm256_madd_epi16; pairs of products fit int16:
+ * u <= 128 and |q| <= 127) and avx512vnni (_mm256_dpbusd_epi32, one instruction, no
+ * intermediate int16), each under its own target attribute so one library serves every
+ * CPU and Python picks what the CPU can run. "ref" is plain C, the check for the others.
+ * No AMX-INT8 variant yet: its tiles want weights re-laid out in 16x64 tiles, a larger
+ * change than this file's one-row-at-a-time scheme.
+ */
+#ifndef EMBER_QUANT_BODY
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+
+/* IEEE half -> float, exact (subnormals, infinities and NaN too) */
+INLINE float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else {
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Q4_K / Q5_K: 8 six-bit scales and mins from 12 bytes */
+INLINE void k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+static int64_t block_values(int type) {
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 256 : 32;
+}
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* ---- activations ----------------------------------------------------------------- */
+
+void ember_quant_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *s, int nthreads) {
+    int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 65536)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *v = x + i * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        int sum0 = 0, sum1 = 0;
+        for (int j = 0; j < 32; j++) {
+            int qq = (int)roundf(v[j] * id);
+            q[i * 32 + j] = (int8_t)qq;
+            if (j < 16) sum0 += qq; else sum1 += qq;
+        }
+        d[i] = dd;
+        s[2 * i] = (int16_t)sum0;
+        s[2 * i + 1] = (int16_t)sum1;
+    }
+}
+
+/* ---- dequantization (the order of gguf.quants' float32 operations) ---------------- */
+
+static void dequant_block(int type, const uint8_t *w, float *out) {
+    switch (type) {
+    case T_Q4_0: {
+        float d = f16(w);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((w[2 + j] & 0x0f) - 8);
+            out[j + 16] = d * (float)((w[2 + j] >> 4) - 8);
+        }
+        break;
+    }
+    case T_Q4_1: {
+        float d = f16(w), m = f16(w + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(w[4 + j] & 0x0f) + m;
+            out[j + 16] = d * (float)(w[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        int has_min = type == T_Q5_1;
+        float d = f16(w), m = has_min ? f16(w + 2) : 0.0f;
+        const uint8_t *qh = w + (has_min ? 4 : 2), *qs = qh + 4;
+        uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+        for (int j = 0; j < 16; j++) {
+            int lo = (qs[j] & 0x0f) | (((h >> j) & 1) << 4), hi = (qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4);
+            if (has_min) { out[j] = d * (float)lo + m; out[j + 16] = d * (float)hi + m; }
+            else { out[j] = d * (float)(lo - 16); out[j + 16] = d * (float)(hi - 16); }
+        }
+        break;
+    }
+    case T_Q8_0: {
+        float d = f16(w);
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)w[2 + j] * d;
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        float d = f16(w), dmin = f16(w + 2);
+        uint8_t sc[8], mn[8];
+        k_scale_min(w + 4, sc, mn);
+        int five = type == T_Q5_K;
+        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            for (int half = 0; half < 2; half++) {
+                int j = 2 * c + half;
+                float dl = d * (float)sc[j], ml = dmin * (float)mn[j];
+                for (int l = 0; l < 32; l++) {
+                    int u = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0x0f;
+                    if (five) u |= ((qh[l] >> j) & 1) << 4;
+                    out[32 * j + l] = dl * (float)u - ml;
+                }
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = f16(w + 208);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = ql[64 * h + 32 * (g & 1) + l], u = (g < 2 ? lo & 0x0f : lo >> 4);
+                    u |= ((qh[32 * h + l] >> (2 * g)) & 3) << 4;
+                    int e = 128 * h + 32 * g + l;
+                    out[e] = (d * (float)sc[e / 16]) * (float)(u - 32);
+                }
+        break;
+    }
+    }
+}
+
+int ember_quant_dequant(int type, const uint8_t *w, int64_t N, int64_t K, float *out, int nthreads) {
+    int64_t bv = block_values(type), bb = block_bytes(type);
+    if (!bb || K % bv) return -1;
+    int64_t nb = K / bv;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) dequant_block(type, w + (n * nb + b) * bb, out + n * K + b * bv);
+    return 0;
+}
+
+/* ---- reference dot products: one weight row with one quantized activation row ---- */
+
+/* sum over a 32-block of (a u + c) * dx q, with u the block's unsigned integers */
+INLINE float ref_block(const uint8_t *u, float a, float c, const int8_t *q, float dx, const int16_t *s) {
+    int sum = 0;
+    for (int j = 0; j < 32; j++) sum += (int)u[j] * q[j];
+    return a * dx * (float)sum + c * dx * (float)(s[0] + s[1]);
+}
+
+static float dot_ref(int type, const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    float acc = 0.0f;
+    uint8_t u[32];
+    int64_t nb = K / block_values(type), bb = block_bytes(type);
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        switch (type) {
+        case T_Q8_0: {
+            float d = f16(w);
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += (int)(int8_t)w[2 + j] * q[32 * b + j];
+            acc += d * dx[b] * (float)sum;
+            break;
+        }
+        case T_Q4_0: case T_Q4_1: {
+            int has_min = type == T_Q4_1;
+            const uint8_t *qs = w + (has_min ? 4 : 2);
+            for (int j = 0; j < 16; j++) { u[j] = qs[j] & 0x0f; u[j + 16] = qs[j] >> 4; }
+            float d = f16(w), c = has_min ? f16(w + 2) : -8.0f * d;
+            acc += ref_block(u, d, c, q + 32 * b, dx[b], s + 2 * b);
+            break;
+        }
+        case T_Q5_0: case T_Q5_1: {
+            int has_min = type == T_Q5_1;
+            const uint8_t *qh = w + (has_min ? 4 : 2), *qs = qh + 4;
+            uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+            for (int j = 0; j < 16; j++) {
+                u[j] = (qs[j] & 0x0f) | (((h >> j) & 1) << 4);
+                u[j + 16] = (qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4);
+            }
+            float d = f16(w), c = has_min ? f16(w + 2) : -16.0f * d;
+            acc += ref_block(u, d, c, q + 32 * b, dx[b], s + 2 * b);
+            break;
+        }
+        case T_Q4_K: case T_Q5_K: {
+            int five = type == T_Q5_K;
+            float d = f16(w), dmin = f16(w + 2);
+            uint8_t sc[8], mn[8];
+            k_scale_min(w + 4, sc, mn);
+            const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+            for (int j = 0; j < 8; j++) {
+                int c = j / 2;
+                for (int l = 0; l < 32; l++) {
+                    u[l] = j & 1 ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0x0f;
+                    if (five) u[l] |= ((qh[l] >> j) & 1) << 4;
+                }
+                int64_t ab = 8 * b + j;
+                acc += ref_block(u, d * (float)sc[j], -dmin * (float)mn[j], q + 32 * ab, dx[ab], s + 2 * ab);
+            }
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *sc = (const int8_t *)(w + 192);
+            float d = f16(w + 208);
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++) {
+                    int64_t ab = 8 * b + 4 * h + g;
+                    const int8_t *qa = q + 32 * ab;
+                    for (int half = 0; half < 2; half++) {
+                        int sum = 0;
+                        for (int l = 16 * half; l < 16 * half + 16; l++) {
+                            int lo = ql[64 * h + 32 * (g & 1) + l], uu = (g < 2 ? lo & 0x0f : lo >> 4);
+                            uu |= ((qh[32 * h + l] >> (2 * g)) & 3) << 4;
+                            sum += uu * qa[l];
+                        }
+                        float a = d * (float)sc[8 * h + 2 * g + half];
+                        acc += a * dx[ab] * (float)sum - 32.0f * a * dx[ab] * (float)s[2 * ab + half];
+                    }
+                }
+            break;
+        }
+        }
+    }
+    return acc;
+}
+
+typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, int64_t);
+
+INLINE float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* ---- the SIMD bodies, once per instruction set ------------------------------------ */
+#define EMBER_QUANT_BODY
+#define SFX(name) name##_avx2
+#define TARGET __attribute__((target("avx2,fma")))
+#define DOT32(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (q)), _mm256_set1_epi16(1))
+#include __FILE__
+#undef SFX
+#undef TARGET
+#undef DOT32
+#define SFX(name) name##_avx512vnni
+#define TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define DOT32(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (q))
+#include __FILE__
+#undef SFX
+#undef TARGET
+#undef DOT32
+
+static dot_fn simd_dot(int isa, int type) {
+    if (isa == ISA_AVX2) return dot_for_type_avx2(type);
+    if (isa == ISA_AVX512VNNI) return dot_for_type_avx512vnni(type);
+    return 0;
+}
+
+/* 1 where this library has a kernel for (isa, type); whether the CPU can run it is the caller's question */
+int ember_quant_has_kernel(int isa, int type) {
+    if (!block_bytes(type)) return 0;
+    return isa == ISA_REF || simd_dot(isa, type) != 0;
+}
+
+int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *q, const float *dx,
+                       const int16_t *s, int64_t M, const float *bias, float *y, int nthreads) {
+    int64_t bv = block_values(type), bb = block_bytes(type);
+    if (!bb || K % bv || !ember_quant_has_kernel(isa, type)) return -1;
+    int64_t row_bytes = K / bv * bb;
+    dot_fn fn = simd_dot(isa, type);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *qm = q + m * K;
+            const float *dm = dx + m * (K / 32);
+            const int16_t *sm = s + m * (K / 16);
+            y[m * N + n] = (fn ? fn(row, qm, dm, sm, K) : dot_ref(type, row, qm, dm, sm, K)) + b;
+        }
+    }
+    return 0;
+}
+
+/* ember_quant_act then ember_quant_linear in one call (the activation's blocks in a
+ * scratch buffer of this call's): float32 x (M, K) -> y (M, N) */
+int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                           const float *bias, float *y, int nthreads) {
+    if (K % 32 || !ember_quant_has_kernel(isa, type)) return -1;
+    size_t nq = (size_t)(M * K);
+    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    if (!scratch) return -2;
+    int8_t *q = scratch;
+    float *dx = (float *)(q + nq);
+    int16_t *s = (int16_t *)(dx + nq / 32);
+    ember_quant_act(x, M, K, q, dx, s, nthreads);
+    int rc = ember_quant_linear(isa, type, w, N, K, q, dx, s, M, bias, y, nthreads);
+    free(scratch);
+    return rc;
+}
+
+#else /* EMBER_QUANT_BODY: one instruction set's kernels; SFX, TARGET and DOT32 say which */
+
+TARGET INLINE __m256i SFX(nibbles16)(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, then high */
+    __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+}
+
+TARGET INLINE __m256i SFX(bits32)(const uint8_t *p) { /* bit j of a little-endian uint32 -> 0x10 in byte j */
+    uint32_t h;
+    memcpy(&h, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+TARGET static float SFX(dot_q8_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    (void)s;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++, w += 34) {
+        __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        __m256i p = DOT32(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * dx[b]), _mm256_cvtepi32_ps(p), acc);
+    }
+    return hsum8(acc);
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1: 32-blocks, w = d u + c */
+TARGET INLINE float SFX(dot_32)(int type, const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                int64_t K) {
+    const int has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int64_t bb = block_bytes(type);
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < K / 32; b++, w += bb) {
+        const uint8_t *qs = w + 2 + 2 * has_min + 4 * five;
+        __m256i u = SFX(nibbles16)(qs);
+        if (five) u = _mm256_or_si256(u, SFX(bits32)(w + 2 + 2 * has_min));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        float d = f16(w), c = has_min ? f16(w + 2) : (five ? -16.0f : -8.0f) * d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), _mm256_cvtepi32_ps(DOT32(u, xq)), acc);
+        offset += c * dx[b] * (float)(s[2 * b] + s[2 * b + 1]);
+    }
+    return hsum8(acc) + offset;
+}
+
+TARGET static float SFX(dot_q4_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_32)(T_Q4_0, w, q, dx, s, K);
+}
+TARGET static float SFX(dot_q4_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_32)(T_Q4_1, w, q, dx, s, K);
+}
+TARGET static float SFX(dot_q5_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_32)(T_Q5_0, w, q, dx, s, K);
+}
+TARGET static float SFX(dot_q5_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_32)(T_Q5_1, w, q, dx, s, K);
+}
+
+/* Q4_K, Q5_K: 256-blocks of 8 sub-blocks of 32, w = d sc_j u - dmin mn_j */
+TARGET INLINE float SFX(dot_k45)(int five, const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                 int64_t K) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    const int64_t bb = five ? 176 : 144;
+    for (int64_t b = 0; b < K / 256; b++, w += bb) {
+        float d = f16(w), dmin = f16(w + 2);
+        uint8_t sc[8], mn[8];
+        k_scale_min(w + 4, sc, mn);
+        const uint8_t *qs = w + (five ? 48 : 16);
+        __m256i hv = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), one);
+                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c + 1), one);
+                u0 = _mm256_or_si256(u0, _mm256_slli_epi16(h0, 4));
+                u1 = _mm256_or_si256(u1, _mm256_slli_epi16(h1, 4));
+            }
+            int64_t a0 = 8 * b + 2 * c, a1 = a0 + 1;
+            __m256i p0 = DOT32(u0, _mm256_loadu_si256((const __m256i *)(q + 32 * a0)));
+            __m256i p1 = DOT32(u1, _mm256_loadu_si256((const __m256i *)(q + 32 * a1)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c] * dx[a0]), _mm256_cvtepi32_ps(p0), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c + 1] * dx[a1]), _mm256_cvtepi32_ps(p1), acc);
+            offset -= dmin * ((float)mn[2 * c] * dx[a0] * (float)(s[2 * a0] + s[2 * a0 + 1])
+                              + (float)mn[2 * c + 1] * dx[a1] * (float)(s[2 * a1] + s[2 * a1 + 1]));
+        }
+    }
+    return hsum8(acc) + offset;
+}
+
+TARGET static float SFX(dot_q4_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_k45)(0, w, q, dx, s, K);
+}
+TARGET static float SFX(dot_q5_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    return SFX(dot_k45)(1, w, q, dx, s, K);
+}
+
+/* Q6_K: 256-blocks of 16 sub-blocks of 16, w = d sc_k (u - 32), u six bits */
+TARGET static float SFX(dot_q6_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < K / 256; b++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = f16(w + 208);
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                __m256i lo = g & 1 ? l1 : l0;
+                lo = g < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * g), m3);
+                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                int64_t ab = 8 * b + 4 * h + g;
+                __m256i p = DOT32(u, _mm256_loadu_si256((const __m256i *)(q + 32 * ab)));
+                /* int32 lanes 0-3 hold the first 16 values, lanes 4-7 the next 16 */
+                float a0 = d * (float)sc[8 * h + 2 * g] * dx[ab], a1 = d * (float)sc[8 * h + 2 * g + 1] * dx[ab];
+                __m256 scale = _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0));
+                acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc);
+                offset -= 32.0f * (a0 * (float)s[2 * ab] + a1 * (float)s[2 * ab + 1]);
+            }
+        }
+    }
+    return hsum8(acc) + offset;
+}
+
+static dot_fn SFX(dot_for_type)(int type) {
+    switch (type) {
+    case T_Q8_0: return SFX(dot_q8_0);
+    case T_Q4_0: return SFX(dot_q4_0);
+    case T_Q4_1: return SFX(dot_q4_1);
+    case T_Q5_0: return SFX(dot_q5_0);
+    case T_Q5_1: return SFX(dot_q5_1);
+    case T_Q4_K: return SFX(dot_q4_k);
+    case T_Q5_K: return SFX(dot_q5_k);
+    case T_Q6_K: return SFX(dot_q6_k);
+    default: return 0;
+    }
+}
+
+#endif /* EMBER_QUANT_BODY */
