@@ -204,6 +204,18 @@ class BaseBackend(ABC):
         to float rounding (the conformance check compares them)."""
         return F.linear
 
+    def quantized_linear_op(self, format: str, compute_dtype: torch.dtype):
+        """The op (``ember.quantization.QuantizedLinearOp``) that multiplies by weights of
+        ``format`` (``QuantizedWeight.format``: ``"int8"``, ``"int4"``, ``"gguf_q4_1"``, ...)
+        for activations in ``compute_dtype``, or None where this backend has no kernel for
+        it (the weights are then refused, or dequantized at load when the user asks).
+        Default: None for every format."""
+
+    def quantized_formats(self, compute_dtype: torch.dtype) -> tuple[str, ...]:
+        """The formats ``quantized_linear_op`` runs for ``compute_dtype`` (listed in
+        errors and ``ember plugins``). Default: none."""
+        return ()
+
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Called once after the weights are loaded and ``model.linear_op`` is set,
         with the dtype the model was loaded in. A backend may keep device-specific

@@ -116,6 +116,11 @@ class EngineConfig:
     # and how long a request waits for its grammar to compile before it fails.
     grammar_backend: str = "outlines"
     grammar_compile_timeout_s: float = 60.0
+    # Quantized weights (docs/quantization.md): a quantizer by name (--quantize: int8,
+    # int4, ...; a quantized checkpoint's own is found from its config.json), and whether
+    # a format the backend has no kernel for is dequantized at load (else refused)
+    quantize: str | None = None
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(
@@ -131,6 +136,10 @@ class EngineConfig:
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        if self.quantize is not None and (not isinstance(self.quantize, str) or not self.quantize):
+            raise ValueError(f"quantize must be a quantizer's name such as 'int8' or 'int4', got {self.quantize!r}")
+        if not isinstance(self.dequantize, bool):
+            raise ValueError(f"dequantize must be True or False, got {self.dequantize!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -43,6 +43,7 @@ from ember.kv_sizing import (
 )
 from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
 from ember.model_loader import load_hf_config, load_model, model_dtype, prefill_context_scale
+from ember.quantization import select_quantizer
 from ember.model_runner import ModelRunner
 from ember.output_processor import EngineCoreOutput
 from ember.parallel_sampling import child_id, child_params
@@ -111,6 +112,9 @@ class EngineCore:
 
         attention = self.backend.create_attention()
         architectures = self.plugin_manager.registries.model_architectures
+        # refused (an unknown name, a format nothing reads) before any weight is read
+        quantizer = select_quantizer(self.plugin_manager.registries.quantizers,
+                                     getattr(self.hf_config, "quantization_config", None), config.quantize)
         block_size = resolve_block_size(config.block_size, attention)
         # An explicit budget sizes the pool before the weights are read, so that one
         # too small is refused in seconds, not after loading.
@@ -124,7 +128,8 @@ class EngineCore:
             budget = config.kv_cache_memory_bytes
             num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
             check_kv_cache(num_blocks, block_size, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
-        self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures)
+        self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
+                                    quantizer, config.dequantize)
 
         max_model_len = self.max_model_len
         prefill_batched = None  # the budget of a step with no decode: the same

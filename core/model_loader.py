@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -11,7 +12,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ember.backend import BaseAttention, BaseBackend
 from ember.models.base import BaseCausalLM
+from ember.models.layers import Linear
 from ember.plugin.registry import Registry
+from ember.quantization import BaseQuantizer, resolve_ops
 from ember.weights import InvalidCheckpointError, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -85,16 +88,29 @@ def load_model(
     attention: BaseAttention,
     dtype: torch.dtype,
     architectures: Registry,
+    quantizer: BaseQuantizer | None = None,
+    dequantize: bool = False,
 ) -> BaseCausalLM:
+    """``quantizer`` (``ember.quantization.select_quantizer``): the linears it packs run
+    through the backend's op for their format; ``dequantize``: a format the backend has
+    no op for is loaded as float weights instead of refused (docs/quantization.md)."""
     cls = get_model_class(hf_config, architectures)
     compute_dtype = backend.compute_dtype(dtype)
     weight_dtype = backend.weight_dtype(dtype)
+    ops = resolve_ops(quantizer, backend, compute_dtype, dequantize) if quantizer is not None else {}
     model = cls(hf_config, attention, compute_dtype, dtype=weight_dtype, device=backend.device)
+    weights = iter_safetensors(Path(model_dir))
+    if quantizer is not None:
+        try:
+            parts = model.linear_parts()
+        except NotImplementedError as exc:
+            raise ValueError(f"{exc}: cannot load it with quantizer {quantizer.name!r}") from None
+        weights = _route_quantized(weights, quantizer, parts, dtype)
     # rounded to the model's dtype first: a bf16 model computes with bf16 numbers
     # whatever dtype the backend keeps them in
-    model.load_weights(
-        (name, tensor.to(dtype).to(weight_dtype)) for name, tensor in iter_safetensors(Path(model_dir))
-    )
+    model.load_weights((name, tensor.to(dtype).to(weight_dtype)) for name, tensor in weights)
+    if quantizer is not None:
+        _install_quantized_ops(model, quantizer, backend, ops, compute_dtype, weight_dtype)
     model.eval()
     model.set_linear_op(backend.linear_op())
     backend.prepare_model(model, dtype)
@@ -103,4 +119,87 @@ def load_model(
         "loaded %s from %s: dtype %s, weights kept in %s, compute dtype %s, on %s; fused layer ops: %s",
         cls.__name__, model_dir, dtype, weight_dtype, compute_dtype, backend.describe(), ", ".join(fused) or "none",
     )
+    total, packed, formats = model_weight_bytes(model)
+    logger.info(
+        "model weights resident: %.1f MiB%s", total / 2**20,
+        f" ({packed / 2**20:.1f} MiB packed: {', '.join(f'{n} x {f}' for f, n in sorted(formats.items()))} "
+        f"linears, quantizer {quantizer.describe()})" if formats else "",
+    )
     return model
+
+
+def model_weight_bytes(model: BaseCausalLM) -> tuple[int, int, dict[str, int]]:
+    """(bytes of every weight the model holds, of which packed quantized weights, and the
+    count of quantized linears by format). Each storage is counted once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type == "meta" or tensor.is_mkldnn:
+            total += tensor.numel() * tensor.element_size() if tensor.is_mkldnn else 0
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    packed = 0
+    formats: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.qweights is not None:
+            packed += module.quantized_nbytes()
+            formats[module.qweights[0].format] = formats.get(module.qweights[0].format, 0) + 1
+    return total + packed, packed, formats
+
+
+def _route_quantized(
+    weights: Iterable[tuple[str, torch.Tensor]], quantizer: BaseQuantizer,
+    parts: dict[str, tuple[Linear, int]], dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass every checkpoint tensor through, except those of quantized linears: grouped
+    by linear until the quantizer has them all, packed, and loaded into the linear's
+    part here. A linear the quantizer leaves in float gets its weight passed through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        target = parts.get(prefix)
+        if target is None or suffix not in quantizer.tensor_suffixes:
+            if target is not None and suffix == "bias" and target[0].bias is None and not tensor.any():
+                continue  # GPTQ/AWQ writers store zero biases for linears that have none
+            yield name, tensor
+            continue
+        group = pending.setdefault(prefix, {})
+        group[suffix] = tensor
+        if quantizer.is_complete(group):
+            yield from _load_group(prefix, pending.pop(prefix), quantizer, target, dtype)
+    for prefix, group in pending.items():
+        yield from _load_group(prefix, group, quantizer, parts[prefix], dtype)
+
+
+def _load_group(prefix, group, quantizer, target, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    weight = quantizer.create_weight(prefix, group, dtype)
+    if weight is None:
+        for suffix, tensor in group.items():
+            yield f"{prefix}.{suffix}", tensor
+        return
+    module, index = target
+    try:
+        module.load_part(index, "weight", weight)
+    except ValueError as exc:
+        raise ValueError(f"{prefix}: {exc}") from None
+
+
+def _install_quantized_ops(model, quantizer, backend, ops, compute_dtype, weight_dtype) -> None:
+    for name, module in model.named_modules():
+        if not (isinstance(module, Linear) and module.is_quantized):
+            continue
+        missing = module.missing_quantized_parts()
+        if missing:
+            raise ValueError(f"checkpoint is missing quantized part(s) {missing} of linear {name!r}")
+        fmt = module.quant_parts[0].format
+        if fmt not in ops:  # the quantizer made a format it did not declare
+            raise ValueError(f"quantizer {quantizer.name!r} made {fmt!r} weights for {name!r}, not one of the "
+                             f"formats it declares: {quantizer.weight_formats()}")
+        op = ops[fmt]
+        if op is None:
+            module.set_dequantized(weight_dtype)
+        else:
+            module.set_quantized_op(op)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
-from ember.hardware import cpu_kernels
+from ember.hardware import cpu_int_quant, cpu_kernels
 from ember.hardware.cpu_kernels import (
     PackedLinear,
     RowInvariantLinear,
@@ -419,7 +419,7 @@ class CPUBackend(BaseBackend):
         op = PackedLinear(model.linear_op, cpu_kernels.load() if rows > 0 else None, rows)
         packed = 0
         for module in model.modules():
-            if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+            if isinstance(module, Linear) and not module.is_quantized and module.weight.dtype == torch.bfloat16:
                 module.set_packed_weight(op.pack(module.weight))
                 packed += 1
         copies = [w for w in model.matmul_weights() if not w.is_mkldnn and w.dtype == torch.bfloat16]
@@ -430,6 +430,13 @@ class CPUBackend(BaseBackend):
             "cpu backend: %d bf16 weights packed for oneDNN, %d packed copies; plain weights kept for products "
             "of up to %d rows: %.1f MiB", packed, len(copies), op.max_rows, op.plain_bytes / 2**20,
         )
+
+    def quantized_linear_op(self, format: str, compute_dtype: torch.dtype):
+        op = quantized_ops().get(format)
+        return op() if op is not None else None
+
+    def quantized_formats(self, compute_dtype: torch.dtype) -> tuple[str, ...]:
+        return tuple(sorted(quantized_ops()))
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Converting every bf16 weight to fp32 on every forward read and wrote three
@@ -512,6 +519,12 @@ class CPUBackend(BaseBackend):
             logger.info("cpu backend: batch-invariant mode (EMBER_BATCH_INVARIANT=1): row-by-row products, "
                         "every token's attention as a decode")
         return value == "1"
+
+
+def quantized_ops() -> dict:
+    """The quantized formats the CPU backend runs (docs/quantization.md), by format: the
+    integer grids through PyTorch's weight-only kernels (ember.hardware.cpu_int_quant)."""
+    return dict(cpu_int_quant.linear_ops())
 
 
 def cpu_thread_count(sys_root: str = "/sys") -> int:

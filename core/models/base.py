@@ -45,7 +45,14 @@ class BaseCausalLM(nn.Module, ABC):
     def matmul_weights(self) -> list[torch.Tensor]:
         """Every weight this model passes to ``linear_op``: those of its ``Linear``
         layers by default; a model that multiplies by another (a tied LM head) adds it."""
-        return [m.weight for m in self.modules() if isinstance(m, Linear)]
+        return [m.weight for m in self.modules() if isinstance(m, Linear) and not m.is_quantized]
+
+    def linear_parts(self) -> dict[str, tuple[Linear, int]]:
+        """Each linear's checkpoint prefix (``"model.layers.0.self_attn.q_proj"``) ->
+        ``(Linear, part index)``: where a quantized checkpoint's tensors of that linear
+        go (docs/quantization.md). An architecture that supports quantized weights
+        implements it; the default refuses them."""
+        raise NotImplementedError(f"{type(self).__name__} does not support quantized weights")
 
     def set_linear_op(self, op) -> None:
         """Install ``op`` as the matrix product of the model and of every ``Linear``."""

@@ -14,7 +14,13 @@ class Linear(nn.Module):
     compute dtype (see ``BaseBackend.compute_dtype``). ``output_sizes`` records the
     row blocks of a fused projection (qkv, gate+up) so loaders can fill each part.
     ``linear_op`` is ``F.linear`` unless the loader sets the backend's
-    (``BaseBackend.linear_op``)."""
+    (``BaseBackend.linear_op``).
+
+    A quantized linear (docs/quantization.md) gets its parts as
+    :class:`ember.quantization.QuantizedWeight` through ``load_part``: the float
+    ``weight`` is freed at the first one (``weight`` is None from then on), and
+    ``set_quantized_op`` joins the parts and installs the backend's op for their format.
+    """
 
     linear_op = staticmethod(F.linear)
 
@@ -29,15 +35,31 @@ class Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.output_sizes = output_sizes
+        self.in_features = in_features
         out = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.compute_dtype = compute_dtype
+        # quantized: the parts as loaded (None until each arrives), then the packed
+        # weight(s) the op reads: one when the parts join, else one per part
+        self.quant_parts: list | None = None
+        self.qweights: list | None = None
+        self.qop = None
 
-    def load_part(self, index: int, name: str, tensor: torch.Tensor) -> None:
-        """Copy one part (``index`` into output_sizes) of the weight or bias."""
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant_parts is not None
+
+    def load_part(self, index: int, name: str, tensor) -> None:
+        """Copy one part (``index`` into output_sizes) of the weight or bias; a
+        ``QuantizedWeight`` part is kept as it is (its shape checked)."""
+        if name == "weight" and not isinstance(tensor, torch.Tensor):
+            self._load_quantized_part(index, tensor)
+            return
+        if name == "weight" and self.is_quantized:
+            raise ValueError(f"part {index} is a float weight, but other parts of this linear are quantized")
         start = sum(self.output_sizes[:index])
         rows = self.output_sizes[index]
         target = self.weight if name == "weight" else self.bias
@@ -48,6 +70,50 @@ class Linear(nn.Module):
             raise ValueError(f"{name} part {index}: expected shape {tuple(part.shape)}, got {tuple(tensor.shape)}")
         part.copy_(tensor)
 
+    def _load_quantized_part(self, index: int, weight) -> None:
+        expected = (self.output_sizes[index], self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"quantized weight part {index}: expected shape {expected}, got {tuple(weight.shape)}")
+        if self.quant_parts is None:
+            # the float weight is never filled: free it now, not after the whole load
+            del self.weight
+            self.weight = None
+            self.quant_parts = [None] * len(self.output_sizes)
+        self.quant_parts[index] = weight
+
+    def missing_quantized_parts(self) -> list[int]:
+        return [i for i, p in enumerate(self.quant_parts or []) if p is None]
+
+    def set_quantized_op(self, op) -> None:
+        """Join the loaded parts (``QuantizedWeight.concat``, else kept apart) and let
+        ``op`` (``QuantizedLinearOp``) prepare and run them; the parts as loaded are dropped."""
+        missing = self.missing_quantized_parts()
+        if missing:
+            raise ValueError(f"quantized linear is missing part(s) {missing} of {len(self.output_sizes)}")
+        parts = self.quant_parts
+        formats = {p.format for p in parts}
+        if len(formats) != 1:
+            raise ValueError(f"the parts of one fused linear have different formats: {sorted(formats)}")
+        joined = type(parts[0]).concat(parts) if len(parts) > 1 else parts[0]
+        self.qweights = [op.prepare(w) for w in ([joined] if joined is not None else parts)]
+        self.quant_parts = [None] * len(parts)  # loaded forms dropped; is_quantized stays True
+        self.qop = op
+        if self.bias is not None and self.bias.dtype != self.compute_dtype:
+            self.bias = nn.Parameter(self.bias.data.to(self.compute_dtype), requires_grad=False)
+
+    def set_dequantized(self, dtype: torch.dtype) -> None:
+        """Replace the loaded quantized parts by their float weight in ``dtype``
+        (--dequantize: the backend has no kernel for their format)."""
+        missing = self.missing_quantized_parts()
+        if missing:
+            raise ValueError(f"quantized linear is missing part(s) {missing} of {len(self.output_sizes)}")
+        weight = torch.cat([p.dequantize(dtype) for p in self.quant_parts])
+        self.quant_parts = None
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def quantized_nbytes(self) -> int:
+        return sum(w.nbytes for w in self.qweights or [])
+
     def set_packed_weight(self, packed: torch.Tensor) -> None:
         """Hold a backend's packed form of the weight (an opaque layout its
         ``linear_op`` reads) in place of the plain one, which is freed."""
@@ -55,6 +121,11 @@ class Linear(nn.Module):
         self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweights is not None:
+            if len(self.qweights) == 1:
+                return self.qop(x, self.qweights[0], self.bias)
+            out = torch.cat([self.qop(x, w) for w in self.qweights], dim=-1)
+            return out + self.bias if self.bias is not None else out
         w = self.weight
         b = self.bias
         if w.dtype != self.compute_dtype:

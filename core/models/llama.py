@@ -200,6 +200,19 @@ class LlamaForCausalLM(BaseCausalLM):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
+    def linear_parts(self) -> dict[str, tuple[Linear, int]]:
+        # quantized checkpoints name the unfused projections (q_proj, gate_proj, ...)
+        parts: dict[str, tuple[Linear, int]] = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            owner, _, attr = name.rpartition(".")
+            fused = [(proj, index) for proj, (target, index) in self._FUSED.items() if target == attr]
+            for proj, index in fused or [(attr, 0)]:
+                prefix = f"{owner}.{proj}" if owner else proj
+                parts[prefix if prefix == "lm_head" else f"model.{prefix}"] = (module, index)
+        return parts
+
 
 @hookimpl
 def ember_register_model_architectures(registry) -> None:
