@@ -188,6 +188,7 @@ class EngineCore:
                 ),
             )
             self.runner.collect_hidden = self.speculator.uses_hidden_states
+            self.runner.collect_all_hidden = self.speculator.uses_all_hidden_states
         self.token_masker = None
         self.grammar = GrammarManager(
             self.plugin_manager.registries.grammar_backends,
@@ -438,6 +439,8 @@ class EngineCore:
         return replace(scheduler_output, draft_probs=probs) if probs else scheduler_output
 
     def _observe_drafts(self, scheduler_output: SchedulerOutput, runner_output) -> None:
+        for request_id, start, hidden in self.runner.step_hidden if self.runner.collect_all_hidden else ():
+            self.speculator.speculator.observe_hidden(request_id, start, hidden)
         drafts = scheduler_output.draft_token_ids
         if drafts and runner_output.num_accepted:
             for request_id, accepted in zip(runner_output.request_ids, runner_output.num_accepted):

@@ -275,6 +275,11 @@ class ModelRunner:
         # from, kept when collect_hidden is set
         self.collect_hidden = False
         self.last_hidden: dict[str, torch.Tensor] = {}
+        # for EAGLE, whose draft layer attends over every position: the step's hidden
+        # states whose input tokens stay, (request id, first position, rows), kept
+        # when collect_all_hidden is set
+        self.collect_all_hidden = False
+        self.step_hidden: list[tuple[str, int, torch.Tensor]] = []
 
     def capture_graphs(self, capture, sizes) -> DecodeGraphs:
         """Capture decode-only forward passes of ``sizes`` requests with the backend's
@@ -313,6 +318,8 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_batch(scheduler_output)
+        if self.collect_all_hidden:
+            self.step_hidden = []
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
         batch = self.batch
@@ -423,6 +430,8 @@ class ModelRunner:
             if out_top is not None:
                 out_top.append([t for t in top[first : first + emit] if t is not None] if top[first] is not None else [])
             num_accepted.append(accepted)
+        if self.collect_all_hidden:
+            self._keep_step_hidden(hidden, requests, query_lens, drafts, num_accepted)
         prompt_logprobs: list[list[PositionLogprobs]] | None = None  # None: no request asks
         if prompt_spans:
             prompt_logprobs = [[] for _ in requests]
@@ -436,6 +445,21 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             num_accepted=num_accepted,
         )
+
+    def _keep_step_hidden(
+        self, hidden: torch.Tensor, requests: list[RunnerRequest], query_lens: list[int], drafts, num_accepted: list[int],
+    ) -> None:
+        """Each request's rows of ``hidden`` whose input tokens stay: a whole prefill
+        chunk, a decode's last token and its accepted drafts (a rejected draft's row
+        is dropped). Copies: a replayed graph reuses its output."""
+        first = 0
+        for request, num_tokens, accepted in zip(requests, query_lens, num_accepted):
+            num_drafts = len(drafts.get(request.request_id, ())) if drafts else 0
+            num_kept = num_tokens - num_drafts + accepted
+            self.step_hidden.append(
+                (request.request_id, request.num_computed_tokens, hidden[first : first + num_kept].clone())
+            )
+            first += num_tokens
 
     def _verify_sampled_drafts(
         self, request: RunnerRequest, draft_probs: torch.Tensor, processed: torch.Tensor, row: SamplingRow,

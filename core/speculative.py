@@ -183,6 +183,9 @@ class BaseSpeculator(ABC):
     name: ClassVar[str]
     #: whether ``SpecRequest.hidden`` must be filled (EAGLE/Medusa heads)
     uses_hidden_states: ClassVar[bool] = False
+    #: whether ``observe_hidden`` must be called with the hidden state of every
+    #: position the target computes (EAGLE: its draft layer attends over them all)
+    uses_all_hidden_states: ClassVar[bool] = False
 
     def __init__(self, context: SpeculatorContext) -> None:
         self.context = context
@@ -194,6 +197,13 @@ class BaseSpeculator(ABC):
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """After a step verified ``num_proposed`` of this request's drafts, of which the
         first ``num_accepted`` were accepted (its token lists already hold them)."""
+
+    def observe_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """With ``uses_all_hidden_states``, after every step: the target's hidden states
+        ``(n, hidden)`` (after its final norm) at positions ``start ... start + n - 1`` of
+        the request, the rows whose input tokens stay (a prefill chunk, a decode's last
+        token and its accepted drafts; never a rejected draft's). A request recomputed
+        after preemption sends positions again."""
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: drop what is kept for it."""
@@ -251,6 +261,10 @@ class SpeculativeDecoder:
     @property
     def uses_hidden_states(self) -> bool:
         return self.speculator.uses_hidden_states
+
+    @property
+    def uses_all_hidden_states(self) -> bool:
+        return self.speculator.uses_all_hidden_states
 
     def propose(self, requests: list[SpecRequest], num_running: int) -> dict[str, Proposal]:
         """Proposals by request id for the requests offered drafts this step (each
