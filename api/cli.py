@@ -90,6 +90,17 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
     group.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default auto) [EMBER_DTYPE]")
+    group.add_argument(
+        "--quantize", metavar="NAME", default=None,
+        help="quantize a float checkpoint's weights at load: int8 (per channel), int4 (groups of 64), int4-g32, "
+        "int4-g128; a quantized checkpoint (GPTQ, AWQ, compressed-tensors, bitsandbytes, fp8) is read as it is "
+        "(docs/quantization.md) [EMBER_QUANTIZE]",
+    )
+    group.add_argument(
+        "--dequantize", action="store_true", default=None,
+        help="load quantized weights the backend has no kernel for as float weights instead of refusing them "
+        "[EMBER_DEQUANTIZE]",
+    )
     _add_plugin_arguments(group, with_required=True)
 
 

@@ -137,6 +137,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "cuda_graphs": EnvOption("EMBER_CUDA_GRAPHS", parse_graph_sizes),
     "enforce_eager": EnvOption("EMBER_ENFORCE_EAGER", _parse_bool),
     "grammar_backend": EnvOption("EMBER_GRAMMAR_BACKEND", str),
+    "quantize": EnvOption("EMBER_QUANTIZE", str),
+    "dequantize": EnvOption("EMBER_DEQUANTIZE", _parse_bool),
     "grammar_compile_timeout": EnvOption("EMBER_GRAMMAR_COMPILE_TIMEOUT", float),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
@@ -184,6 +186,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "cuda_graphs": None,  # None: the engine's default sizes where the device has graphs
     "enforce_eager": False,
     "grammar_backend": "outlines",
+    "quantize": None,
+    "dequantize": False,
     "grammar_compile_timeout": 60.0,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,

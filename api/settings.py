@@ -81,6 +81,9 @@ class ServerSettings:
     # and how long a request may wait for its grammar
     grammar_backend: str = "outlines"
     grammar_compile_timeout: float = 60.0
+    # quantized weights (docs/quantization.md): --quantize NAME, --dequantize
+    quantize: str | None = None
+    dequantize: bool = False
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
@@ -291,6 +294,10 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["enforce_eager"] = True
     kwargs["grammar_backend"] = settings.grammar_backend
     kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
+    if settings.quantize is not None:
+        kwargs["quantize"] = settings.quantize
+    if settings.dequantize:
+        kwargs["dequantize"] = True
     return kwargs
 
 

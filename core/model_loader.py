@@ -158,8 +158,9 @@ def _route_quantized(
     by linear until the quantizer has them all, packed, and loaded into the linear's
     part here. A linear the quantizer leaves in float gets its weight passed through."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    depth = max(s.count(".") for s in quantizer.tensor_suffixes) + 1
     for name, tensor in weights:
-        prefix, _, suffix = name.rpartition(".")
+        prefix, suffix = _split_linear_name(name, parts, depth)
         target = parts.get(prefix)
         if target is None or suffix not in quantizer.tensor_suffixes:
             if target is not None and suffix == "bias" and target[0].bias is None and not tensor.any():
@@ -172,6 +173,17 @@ def _route_quantized(
             yield from _load_group(prefix, pending.pop(prefix), quantizer, target, dtype)
     for prefix, group in pending.items():
         yield from _load_group(prefix, group, quantizer, parts[prefix], dtype)
+
+
+def _split_linear_name(name: str, parts: dict, depth: int) -> tuple[str, str]:
+    """``(linear prefix, suffix)`` of a tensor name; suffixes may hold dots
+    (bitsandbytes' ``weight.absmax``). The shortest suffix after a known linear wins."""
+    pieces = name.split(".")
+    for n in range(1, min(depth, len(pieces) - 1) + 1):
+        prefix = ".".join(pieces[:-n])
+        if prefix in parts:
+            return prefix, ".".join(pieces[-n:])
+    return name.rpartition(".")[0], pieces[-1]
 
 
 def _load_group(prefix, group, quantizer, target, dtype) -> Iterator[tuple[str, torch.Tensor]]:

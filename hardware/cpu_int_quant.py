@@ -147,8 +147,8 @@ class Int4LinearOp(QuantizedLinearOp):
 
     def prepare(self, weight: Int4Weight) -> CPUInt4Weight:
         n, k = weight.shape
-        if k % 16 or n % 8:
-            raise ValueError(f"the cpu int4 kernel needs in_features % 16 == 0 and out_features % 8 == 0, "
+        if k % 16 or n % 16:
+            raise ValueError(f"the cpu int4 kernel needs in_features and out_features divisible by 16, "
                              f"got a weight of shape {weight.shape}")
         return CPUInt4Weight(weight)
 
