@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
-from ember.hardware import cpu_int_quant, cpu_kernels
+from ember.hardware import cpu_int_quant, cpu_kernels, cpu_quant
 from ember.hardware.cpu_kernels import (
     PackedLinear,
     RowInvariantLinear,
@@ -524,7 +524,9 @@ class CPUBackend(BaseBackend):
 def quantized_ops() -> dict:
     """The quantized formats the CPU backend runs (docs/quantization.md), by format: the
     integer grids through PyTorch's weight-only kernels (ember.hardware.cpu_int_quant)."""
-    return dict(cpu_int_quant.linear_ops())
+    ops = dict(cpu_int_quant.linear_ops())
+    ops.update(cpu_quant.linear_ops())  # GGUF quant types, native kernels (ember.hardware.cpu_quant)
+    return ops
 
 
 def cpu_thread_count(sys_root: str = "/sys") -> int:

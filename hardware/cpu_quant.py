@@ -37,7 +37,8 @@ import torch
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_paths import cpu_flags
 from ember.hardware.trusted_library import UntrustedKernelError, load_checked
-from ember.weights.gguf_quants import quant_type
+from ember.quantization import QuantizedLinearOp
+from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
+TILE_VALUES = 1 << 21  # weight values dequantized per GEMM tile (8 MiB of float32)
+_TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
 
 
 def runnable_isas(flags: set[str]) -> list[str]:
@@ -166,6 +169,91 @@ class QuantKernels:
         if rc:
             raise RuntimeError(f"ember_quant_dequant failed ({rc}) for {type_name} ({N}, {in_features})")
         return out
+
+
+class GGUFLinearOp(QuantizedLinearOp):
+    """The CPU backend's product for ``"gguf"`` weights (``ember.plugins.quantizers.gguf.
+    GGUFWeight``): float32 activations (bfloat16 ones are widened, and the result rounded
+    back) through ``QuantKernels``; without the native library, the dequantized weight
+    through PyTorch. Each segment of a joined weight is one kernel call.
+
+    Per call it does little in Python: a decode step of SmolLM2 makes 211 of these
+    products, so the checks of ``QuantKernels.linear`` run once, in ``prepare``."""
+
+    format = "gguf"
+    # rounding the activation to 8 bits per block of 32 moves each value by up to half a
+    # step of max|x_b| / 127: over random rows, up to about 1e-2 of the largest output
+    # (1.1e-2 seen with random Q4_K bytes, whose large sub-block offsets add up);
+    # tests/test_gguf_quant.py bounds the error of every output exactly
+    max_relative_error = 2e-2
+
+    def __init__(self) -> None:
+        self.kernels = load()
+        self._scratch = torch.empty(0)
+
+    def prepare(self, weight):
+        for type_name, data in weight.segments:
+            _check_weight(data, type_name, weight.shape[1])
+        weight.kernel_plan = [
+            (quant_type(t).type_id, d, d.shape[0], self.kernels is not None and self.kernels.has_kernel(t))
+            for t, d in weight.segments
+        ]
+        return weight
+
+    def __call__(self, x, weight, bias=None):
+        shape, dtype = x.shape, x.dtype
+        K = weight.shape[1]
+        x2 = x.reshape(-1, K)
+        if dtype != torch.float32:
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+        if self.kernels is None:
+            y = torch.nn.functional.linear(x2, weight.dequantize(torch.float32), b)
+        elif len(weight.kernel_plan) == 1:
+            y = self._segment(x2, weight.kernel_plan[0], K, b)
+        else:
+            y = torch.cat([self._segment(x2, plan, K, None) for plan in weight.kernel_plan], dim=1)
+            if b is not None:
+                y += b
+        return y.to(dtype).view(*shape[:-1], -1)
+
+    def _segment(self, x, plan, K, bias):
+        type_id, data, N, has_kernel = plan
+        M = x.shape[0]
+        kernels = self.kernels
+        if has_kernel and M <= MAX_KERNEL_ROWS:
+            y = torch.empty(M, N, dtype=torch.float32)
+            rc = kernels._linear_f32(ISA_IDS[kernels.isa], type_id, data.data_ptr(), N, K, x.data_ptr(), M,
+                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                     torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"ember_quant_linear_f32 failed ({rc}) for type {type_id} ({N}, {K})")
+            return y
+        # many rows: dequantize tiles of weight rows into a reused buffer, GEMM each tile
+        # (y^T row blocks are contiguous); the buffer stays small for a large LM head
+        tile = max(1, min(N, TILE_VALUES // K))
+        if self._scratch.numel() < tile * K:
+            self._scratch = torch.empty(tile * K, dtype=torch.float32)
+        yt = torch.empty(N, M, dtype=torch.float32)
+        xt = x.t()
+        type_name = _TYPE_NAMES[type_id]
+        for start in range(0, N, tile):
+            rows = min(tile, N - start)
+            w = self._scratch[: rows * K].view(rows, K)
+            part = data[start : start + rows]
+            if has_kernel:
+                kernels._dequant(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
+            else:
+                w.copy_(quant_type(type_name).dequantize(part))
+            torch.mm(w, xt, out=yt[start : start + rows])
+        y = yt.t().contiguous()  # (an add would keep the transposed strides)
+        return y.add_(bias) if bias is not None else y
+
+
+def linear_ops() -> dict[str, type[QuantizedLinearOp]]:
+    """The quantized formats this module runs, by format (the CPU backend's registry)."""
+    return {GGUFLinearOp.format: GGUFLinearOp}
 
 
 def _fn(lib, name: str, argtypes: list, restype):

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import pytest
 
+# GGUF files (the default model included) load quantized unless EMBER_GGUF_NATIVE=0:
+# the suite compares Ember with transformers on the float32 conversion, so that is what
+# it resolves; tests of the quantized form (tests/test_gguf_quant.py) ask for it by name.
+os.environ.setdefault("EMBER_GGUF_NATIVE", "0")
+
 
 @contextmanager
 def _pip_uses_local_wheelhouse() -> Iterator[None]:

@@ -17,6 +17,9 @@ Kernel tolerances. The kernels quantize each activation row to 8 bits per block 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -167,3 +170,163 @@ def test_dequantize_every_smollm2_tensor_bit_exact(smollm2_gguf):
         expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         assert_bits_equal(gguf_quants.dequantize(torch.from_numpy(np.array(tensor.data)), name), expected)
     assert types == {"Q4_1", "Q8_0"}
+
+
+# --- the gguf quantizer: tiny GGUF models, quantized conversion vs float ------------------------
+
+
+def _tiny_gguf(tmp_path, qtype_name: str, *, arch: str = "llama", tie: bool = False) -> Path:
+    from test_weights import tiny_model, write_tiny_gguf
+
+    path = tmp_path / f"tiny-{arch}-{qtype_name}{'-tied' if tie else ''}.gguf"
+    return write_tiny_gguf(path, tiny_model(arch, tie=tie), arch=arch, qtype=gguf.GGMLQuantizationType[qtype_name])
+
+
+def _prompt_logprobs(model_dir: Path, prompts: list[list[int]]):
+    """Per prompt: the teacher-forced logprob of every prompt token after the first, and
+    8 greedy tokens with the two best logprobs at each."""
+    from ember import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), num_kv_tokens=2048, max_model_len=128)
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=2))
+    logprobs = [[entry[token].logprob for token, entry in zip(p[1:], o.prompt_logprobs[1:])]
+                for p, o in zip(prompts, outs)]
+    return logprobs, [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def assert_same_greedy_tokens(native, reference, near_tie: float) -> int:
+    """Greedy tokens equal, except that a run may part where the reference's two best
+    tokens are within ``near_tie`` in logprob and the native run took the second (the
+    rest of that run is then another text). Returns how many runs parted so."""
+    parted = 0
+    for (tokens, _), (ref_tokens, ref_logprobs) in zip(native, reference):
+        for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
+            if a != b:
+                best = sorted(ref_logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+                assert a == best[1][0] and best[0][1].logprob - best[1][1].logprob < near_tie, (i, tokens, ref_tokens)
+                parted += 1
+                break
+    return parted
+
+
+@pytest.mark.parametrize(("qtype_name", "arch", "tie"), [
+    ("Q4_0", "llama", False), ("Q4_1", "llama", True), ("Q5_0", "qwen2", False),
+    ("Q5_1", "llama", False), ("Q8_0", "qwen2", True),
+])
+def test_quantized_conversion_runs_like_the_float_one(tmp_path, qtype_name, arch, tie):
+    from ember.weights import convert_gguf_to_hf, iter_safetensors
+
+    src = _tiny_gguf(tmp_path, qtype_name, arch=arch, tie=tie)
+    native = convert_gguf_to_hf(src, tmp_path / "native", keep_quantized=True, progress=False)
+    floats = convert_gguf_to_hf(src, tmp_path / "float", progress=False)
+    config = json.loads((native / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "gguf", "types": [qtype_name]}
+    assert config["tie_word_embeddings"] is False  # a quantized token_embd is the LM head's own weight
+    stored = dict(iter_safetensors(native))
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
+    assert stored["model.layers.0.self_attn.q_proj.gguf_type"].tolist() == [QUANT_TYPES[qtype_name].type_id]
+    assert stored["model.embed_tokens.weight"].dtype == torch.float32
+    assert stored["lm_head.gguf_type"].tolist() == [QUANT_TYPES[qtype_name].type_id]  # output or token_embd
+    reference = dict(iter_safetensors(floats))
+    q = QUANT_TYPES[qtype_name].dequantize(stored["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(q, reference["model.layers.1.mlp.down_proj.weight"])
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 259, size=n).tolist() for n in (5, 17, 40)]
+    native_lp, native_tokens = _prompt_logprobs(native, prompts)
+    float_lp, float_tokens = _prompt_logprobs(floats, prompts)
+    # the 8-bit activations of the quantized products (module docstring) move a tiny
+    # random model's logprobs by a few hundredths; the float run is the dequantized model
+    for a, b in zip(native_lp, float_lp):
+        assert np.allclose(a, b, atol=0.05), np.abs(np.subtract(a, b)).max()
+    assert assert_same_greedy_tokens(native_tokens, float_tokens, near_tie=0.05) <= 1
+
+
+def test_unsupported_gguf_type_is_named(tmp_path):
+    from ember.weights import convert_gguf_to_hf
+    from test_weights import tiny_model, write_tiny_gguf
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model(), qtype=gguf.GGMLQuantizationType.F32)
+    reader_types = {t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
+    assert reader_types == {"F32"}
+    # a GGUF whose linears are all float converts with no quantization types
+    native = convert_gguf_to_hf(src, tmp_path / "native", keep_quantized=True, progress=False)
+    assert json.loads((native / "config.json").read_text())["quantization_config"]["types"] == []
+    # a type Ember does not run (IQ4_NL stands in: gguf writes it, no Ember kernel reads it)
+    raw = tmp_path / "odd.gguf"
+    _write_with_type(tiny_model(), raw, "IQ4_NL")
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type IQ4_NL.*EMBER_GGUF_NATIVE=0"):
+        convert_gguf_to_hf(raw, tmp_path / "odd", keep_quantized=True, progress=False)
+    assert not (tmp_path / "odd").exists()
+
+
+def _write_with_type(model, path: Path, type_name: str) -> None:
+    from test_weights import write_tiny_gguf
+
+    write_tiny_gguf(path, model, qtype=gguf.GGMLQuantizationType.Q8_0)
+    # rewrite the type id of attn_q in the tensor index (the data size is not read before the type is refused)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == int(gguf.GGMLQuantizationType.Q8_0)
+    data[type_at : type_at + 4] = int(gguf.GGMLQuantizationType[type_name]).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+# --- the quantizer contract ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_gguf_quantizer_conformance(name):
+    from ember.hardware.cpu import CPUBackend
+    from ember.plugins.quantizers.gguf import GGUFQuantizer
+    from ember.testing import check_quantizer
+
+    raw = random_blocks(name, 48, 512, seed=5)
+    quantizer = GGUFQuantizer({"quant_method": "gguf", "types": [name]})
+    tensors = {"weight": torch.from_numpy(raw), "gguf_type": torch.tensor([QUANT_TYPES[name].type_id], dtype=torch.int32)}
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]))
+    weight = check_quantizer(quantizer, tensors, CPUBackend(), reference=reference, reference_tolerance=0.0)
+    assert weight.format == "gguf" and weight.types == (name,) and weight.nbytes == raw.nbytes
+
+
+def test_fused_parts_of_different_types_join_and_multiply():
+    from ember.hardware.cpu_quant import GGUFLinearOp
+    from ember.plugins.quantizers.gguf import GGUFWeight
+
+    q, k, v = (GGUFWeight([(t, torch.from_numpy(random_blocks(t, rows, 256, seed=rows)))], 256)
+               for t, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)))
+    joined = GGUFWeight.concat([q, k, v])
+    assert joined.shape == (128, 256) and joined.types == ("Q4_K", "Q6_K")  # same-type neighbours merged
+    assert torch.equal(joined.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+    op = GGUFLinearOp()
+    joined = op.prepare(joined)
+    parts = [op.prepare(w) for w in (q, k, v)]
+    bias = torch.randn(128)
+    for rows in (1, 4, 20):
+        x = torch.randn(rows, 256)
+        expected = torch.cat([op(x, w) for w in parts], dim=1) + bias
+        assert torch.allclose(op(x, joined, bias), expected, rtol=0, atol=1e-5)
+    bf16 = op(x.bfloat16(), joined, bias.bfloat16())
+    assert bf16.dtype == torch.bfloat16 and bf16.shape == (20, 128)
+
+
+def test_gguf_quantizer_errors_name_the_value():
+    from ember.plugins.quantizers.gguf import GGUFQuantizer, GGUFWeight
+
+    with pytest.raises(ValueError, match="--quantize gguf reads GGUF files"):
+        GGUFQuantizer(None)
+    with pytest.raises(ValueError, match="'IQ1_S' is not supported"):
+        GGUFQuantizer({"quant_method": "gguf", "types": ["IQ1_S"]})
+    quantizer = GGUFQuantizer({"quant_method": "gguf", "types": ["Q4_1"]})
+    data = torch.from_numpy(random_blocks("Q4_1", 4, 64))
+    with pytest.raises(ValueError, match=r"gguf_type holds \[99\], not the ggml id of a supported type"):
+        quantizer.create_weight("m.q_proj", {"weight": data, "gguf_type": torch.tensor([99])})
+    with pytest.raises(ValueError, match=r"m.q_proj.weight: Q4_1 bytes must be uint8 .*20 bytes"):
+        quantizer.create_weight("m.q_proj", {"weight": data[:, :30].contiguous(), "gguf_type": torch.tensor([3])})
+    assert quantizer.create_weight("m.q_proj", {"weight": torch.randn(4, 64)}) is None  # a float linear stays float
+    with pytest.raises(ValueError, match=r"Q4_1 rows of 64 values are uint8 \(rows, 40\)"):
+        GGUFWeight([("Q4_1", data[:, :20].contiguous())], 64)

