@@ -110,7 +110,7 @@ def load_model(
     # whatever dtype the backend keeps them in
     model.load_weights((name, tensor.to(dtype).to(weight_dtype)) for name, tensor in weights)
     if quantizer is not None:
-        _install_quantized_ops(model, quantizer, backend, ops, compute_dtype, weight_dtype)
+        _install_quantized_ops(model, quantizer, ops, dtype, weight_dtype)
     model.eval()
     model.set_linear_op(backend.linear_op())
     backend.prepare_model(model, dtype)
@@ -199,7 +199,7 @@ def _load_group(prefix, group, quantizer, target, dtype) -> Iterator[tuple[str, 
         raise ValueError(f"{prefix}: {exc}") from None
 
 
-def _install_quantized_ops(model, quantizer, backend, ops, compute_dtype, weight_dtype) -> None:
+def _install_quantized_ops(model, quantizer, ops, dtype, weight_dtype) -> None:
     for name, module in model.named_modules():
         if not (isinstance(module, Linear) and module.is_quantized):
             continue
@@ -212,6 +212,6 @@ def _install_quantized_ops(model, quantizer, backend, ops, compute_dtype, weight
                              f"formats it declares: {quantizer.weight_formats()}")
         op = ops[fmt]
         if op is None:
-            module.set_dequantized(weight_dtype)
+            module.set_dequantized(dtype, weight_dtype)
         else:
             module.set_quantized_op(op)

@@ -101,13 +101,14 @@ class Linear(nn.Module):
         if self.bias is not None and self.bias.dtype != self.compute_dtype:
             self.bias = nn.Parameter(self.bias.data.to(self.compute_dtype), requires_grad=False)
 
-    def set_dequantized(self, dtype: torch.dtype) -> None:
-        """Replace the loaded quantized parts by their float weight in ``dtype``
-        (--dequantize: the backend has no kernel for their format)."""
+    def set_dequantized(self, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> None:
+        """Replace the loaded quantized parts by their float weight: rounded to the
+        model's ``dtype``, kept in ``weight_dtype`` (as float checkpoints load), for
+        --dequantize (the backend has no kernel for their format)."""
         missing = self.missing_quantized_parts()
         if missing:
             raise ValueError(f"quantized linear is missing part(s) {missing} of {len(self.output_sizes)}")
-        weight = torch.cat([p.dequantize(dtype) for p in self.quant_parts])
+        weight = torch.cat([p.dequantize(dtype).to(weight_dtype or dtype) for p in self.quant_parts])
         self.quant_parts = None
         self.weight = nn.Parameter(weight, requires_grad=False)
 
