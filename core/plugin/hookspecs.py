@@ -62,7 +62,13 @@ def ember_register_logits_processors(registry: Registry) -> None:
 
 @hookspec
 def ember_register_quantizers(registry: Registry) -> None:
-    """Register weight quantizers by name (contract filled by a later issue)."""
+    """Register weight quantizers: ``registry.register(MyQuantizer.name, MyQuantizer)``.
+
+    Values are subclasses of :class:`ember.quantization.BaseQuantizer`; the engine builds
+    the one that reads the checkpoint's ``quantization_config``, or the one named by
+    ``EngineConfig.quantize`` (``--quantize``) for a float checkpoint
+    (docs/quantization.md).
+    """
 
 
 @hookspec
