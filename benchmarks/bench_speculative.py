@@ -79,6 +79,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--schedule", choices=("constant", "heuristic"), default="constant",
+                        help="draft_length_schedule of the speculative config")
+    parser.add_argument("--max-speculative-tokens", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
@@ -89,7 +92,8 @@ def main() -> int:
     from ember.api.bench.core_step import machine_info
     from ember.llm import encode_chat
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
+            "draft_length_schedule": args.schedule, "max_speculative_tokens": args.max_speculative_tokens}
     plain = LLM(dtype=args.dtype, max_model_len=2048)
     fast = LLM(dtype=args.dtype, max_model_len=2048, speculative_config=spec)
     tokenizer = plain.get_tokenizer()

@@ -58,7 +58,16 @@ class SpeculativeConfig:
     spare); None never steps aside. ``min_acceptance_rate``: a request whose recent
     drafts were accepted less often than this (an exponential average over
     ``acceptance_window`` proposals) stops being offered drafts for
-    ``backoff_steps`` steps, then tries again; 0 keeps offering."""
+    ``backoff_steps`` steps, then tries again; 0 keeps offering.
+
+    ``draft_length_schedule``: ``constant`` offers every request
+    ``num_speculative_tokens`` drafts a step (vLLM); ``heuristic`` (Hugging Face's
+    ``num_assistant_tokens_schedule``) starts each request there and adapts it: two
+    more after a step that accepted all its drafts, one fewer (not under 1) after one
+    that did not, up to ``max_speculative_tokens`` (default three times
+    ``num_speculative_tokens``). Long copied runs then verify many drafts a step,
+    where a step costs little more than a plain decode (a CPU at batch 1), while free
+    text shrinks back to few."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
@@ -72,6 +81,17 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 16
     backoff_steps: int = 16
+    draft_length_schedule: str = "constant"
+    max_speculative_tokens: int | None = None
+
+    SCHEDULES: ClassVar[tuple[str, ...]] = ("constant", "heuristic")
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a request is ever offered in one step."""
+        if self.draft_length_schedule == "constant":
+            return self.num_speculative_tokens
+        return self.max_speculative_tokens or 3 * self.num_speculative_tokens
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -82,6 +102,13 @@ class SpeculativeConfig:
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
+        if self.draft_length_schedule not in self.SCHEDULES:
+            raise ValueError(f"speculative config: draft_length_schedule must be one of {', '.join(self.SCHEDULES)}, "
+                             f"got {self.draft_length_schedule!r}")
+        most = self.max_speculative_tokens
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.num_speculative_tokens):
+            raise ValueError(f"speculative config: max_speculative_tokens must be an integer of at least "
+                             f"num_speculative_tokens ({self.num_speculative_tokens}), got {most!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
@@ -244,6 +271,7 @@ class SpeculationStats:
 class _RequestState:
     rate: float = 1.0  # exponential average of the acceptance rate of its drafts
     skip_until: int = 0  # the step from which it is offered drafts again
+    num_drafts: int = 0  # drafts offered per step under the heuristic schedule (0: not yet set)
 
 
 class SpeculativeDecoder:
@@ -253,7 +281,7 @@ class SpeculativeDecoder:
     def __init__(self, speculator: BaseSpeculator, config: SpeculativeConfig) -> None:
         self.speculator = speculator
         self.config = config
-        self.stats = SpeculationStats(config.method, accepted_by_position=[0] * config.num_speculative_tokens)
+        self.stats = SpeculationStats(config.method, accepted_by_position=[0] * config.max_drafts)
         self._state: dict[str, _RequestState] = {}
         self._step = 0
         self.last_proposals: dict[str, Proposal] = {}
@@ -280,7 +308,8 @@ class SpeculativeDecoder:
             state = self._state.get(request.request_id)
             if state is not None and state.skip_until > self._step:
                 continue
-            request.max_drafts = min(request.max_drafts, self.config.num_speculative_tokens)
+            offer = state.num_drafts if state is not None and state.num_drafts else self.config.num_speculative_tokens
+            request.max_drafts = min(request.max_drafts, offer)
             if request.max_drafts > 0:
                 offered.append(request)
         if not offered:
@@ -320,6 +349,13 @@ class SpeculativeDecoder:
         for j in range(num_accepted):
             stats.accepted_by_position[j] += 1
         state = self._state.setdefault(request_id, _RequestState())
+        if self.config.draft_length_schedule == "heuristic":
+            offered = state.num_drafts or self.config.num_speculative_tokens
+            # a proposal shorter than its offer (the lookup ran out) says nothing of the length
+            if num_accepted == num_proposed:
+                state.num_drafts = min(self.config.max_drafts, offered + 2) if num_proposed == offered else offered
+            else:
+                state.num_drafts = max(1, offered - 1)
         weight = min(1.0, num_proposed / self.config.acceptance_window)
         state.rate += weight * (num_accepted / num_proposed - state.rate)
         if state.rate < self.config.min_acceptance_rate:

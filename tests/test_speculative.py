@@ -38,6 +38,9 @@ def test_the_config_takes_vllms_keys_as_a_mapping_or_json_and_names_what_is_wron
         ("[1]", "must be a JSON object"),
         ("{", "not valid JSON"),
         ('{"min_acceptance_rate": 2}', "min_acceptance_rate must lie in \\[0, 1\\]"),
+        ('{"draft_length_schedule": "fast"}', "draft_length_schedule must be one of constant, heuristic, got 'fast'"),
+        ('{"num_speculative_tokens": 5, "max_speculative_tokens": 3}',
+         "max_speculative_tokens must be an integer of at least num_speculative_tokens \\(5\\), got 3"),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
@@ -95,8 +98,9 @@ def _outputs(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_greedy_outputs_with_ngram_equal_those_without(kind, tmp_path, batch_invariant):
+@pytest.mark.parametrize("kind,schedule", [("llama", "constant"), ("mistral", "constant"), ("qwen2", "constant"),
+                                           ("llama", "heuristic")])
+def test_greedy_outputs_with_ngram_equal_those_without(kind, schedule, tmp_path, batch_invariant):
     """With prefix caching, chunked prefill (a 16-token step budget) and preemption (a
     KV cache too small for every request at once)."""
     model_dir = tmp_path / kind
@@ -107,7 +111,7 @@ def test_greedy_outputs_with_ngram_equal_those_without(kind, tmp_path, batch_inv
     prompts = REPEATING + [REPEATING[0][:20]]  # a shared prefix: a prefix-cache hit
     plain = LLM(str(model_dir), **engine_args)
     expected = _outputs(plain, prompts, params)
-    spec = LLM(str(model_dir), speculative_config=NGRAM, **engine_args)
+    spec = LLM(str(model_dir), speculative_config={**NGRAM, "draft_length_schedule": schedule}, **engine_args)
     assert _outputs(spec, prompts, params) == expected
     stats = spec.engine.core.speculator.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
@@ -237,6 +241,30 @@ def test_speculation_steps_aside_for_large_batches_and_poorly_accepted_requests(
     assert json.loads(json.dumps(stats.to_dict()))["acceptance_rate"] == 0.5
 
 
+def test_the_heuristic_schedule_grows_drafts_while_all_are_accepted_and_shrinks_them_on_a_miss():
+    class Long(Constant):
+        def propose(self, requests):
+            return [Proposal(list(range(1, 1 + r.max_drafts))) for r in requests]
+
+    config = SpeculativeConfig("constant", 3, draft_length_schedule="heuristic", max_speculative_tokens=8,
+                               disable_by_batch_size=None, min_acceptance_rate=0.0)
+    decoder = SpeculativeDecoder(Long(SpeculatorContext(config, 100, ())), config)
+    offered = []
+    for accepted_all in (True, True, True, False, False, True, False, False, False, False):
+        [proposal] = decoder.propose([SpecRequest("r0", [1], [], 20, 0.0)], 1).values()
+        k = len(proposal.token_ids)
+        offered.append(k)
+        decoder.observe("r0", k, k if accepted_all else 0)
+    assert offered == [3, 5, 7, 8, 7, 6, 8, 7, 6, 5]  # +2 on all accepted (capped at 8), -1 on a miss
+    assert len(decoder.stats.accepted_by_position) == 8
+    # a proposal shorter than its offer (the lookup ran out, or the request's own
+    # limit) leaves the length alone
+    decoder.release("r0")
+    decoder.propose(_requests(1), 1)
+    decoder.observe("r0", 2, 2)
+    assert decoder._state["r0"].num_drafts == 3
+
+
 def test_a_speculator_breaking_the_contract_is_named():
     class Bad(Constant):
         name = "bad"
@@ -303,6 +331,16 @@ def test_a_draft_model_identical_to_the_target_has_every_greedy_draft_accepted(t
     assert _outputs(llm, prompts, params) == expected
     stats = llm.engine.core.speculator.stats
     assert stats.num_draft_tokens > 20 and stats.acceptance_rate == 1.0, stats
+    # the heuristic schedule: every step accepted all, so drafts grew 4 -> 6 -> 8 (the cap)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _outputs(LLM(str(tiny_llama_dir), **engine_args), prompts, params)
+    config.update(draft_length_schedule="heuristic", max_speculative_tokens=8)
+    llm = LLM(str(tiny_llama_dir), speculative_config=config, **engine_args)
+    assert _outputs(llm, prompts, params) == expected
+    stats = llm.engine.core.speculator.stats
+    assert stats.acceptance_rate == 1.0 and stats.accepted_by_position[7] > 0, stats
+    # 39 tokens after the first: 5 + 7 + 9 + 9 + 9 in 5 steps, where 4 drafts a step take 8
+    assert stats.num_proposals == 5 * len(prompts), stats
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
