@@ -47,9 +47,9 @@ ISAS = ("avx512vnni", "avx2", "ref")  # best first
 ISA_IDS = {"ref": 0, "avx2": 1, "avx512vnni": 2}
 # the whole library is compiled with -mavx2 -mfma (cpu_kernels.FLAGS), ref included
 ISA_CPU_FLAGS = {
-    "avx512vnni": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-    "avx2": ("avx2", "fma"),
-    "ref": ("avx2", "fma"),
+    "avx512vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "ref": ("avx2", "fma", "f16c"),
 }
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
@@ -190,46 +190,54 @@ class GGUFLinearOp(QuantizedLinearOp):
     def __init__(self) -> None:
         self.kernels = load()
         self._scratch = torch.empty(0)
+        if self.kernels is not None:
+            self._linear_f32 = self.kernels._linear_f32
+            self._isa = ISA_IDS[self.kernels.isa]
 
     def prepare(self, weight):
         for type_name, data in weight.segments:
             _check_weight(data, type_name, weight.shape[1])
         weight.kernel_plan = [
-            (quant_type(t).type_id, d, d.shape[0], self.kernels is not None and self.kernels.has_kernel(t))
+            (quant_type(t).type_id, d, d.shape[0], self.kernels is not None and self.kernels.has_kernel(t),
+             d.data_ptr())
             for t, d in weight.segments
         ]
         return weight
 
     def __call__(self, x, weight, bias=None):
-        shape, dtype = x.shape, x.dtype
+        dtype = x.dtype
         K = weight.shape[1]
-        x2 = x.reshape(-1, K)
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)
         if dtype != torch.float32:
             x2 = x2.float()
-        x2 = x2.contiguous()
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+        plan = weight.kernel_plan
         if self.kernels is None:
             y = torch.nn.functional.linear(x2, weight.dequantize(torch.float32), b)
-        elif len(weight.kernel_plan) == 1:
-            y = self._segment(x2, weight.kernel_plan[0], K, b)
+        elif len(plan) == 1:
+            y = self._segment(x2, plan[0], K, b)
         else:
-            y = torch.cat([self._segment(x2, plan, K, None) for plan in weight.kernel_plan], dim=1)
+            y = torch.cat([self._segment(x2, p, K, None) for p in plan], dim=1)
             if b is not None:
                 y += b
-        return y.to(dtype).view(*shape[:-1], -1)
+        if dtype != torch.float32:
+            y = y.to(dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
     def _segment(self, x, plan, K, bias):
-        type_id, data, N, has_kernel = plan
+        type_id, data, N, has_kernel, data_ptr = plan
         M = x.shape[0]
-        kernels = self.kernels
         if has_kernel and M <= MAX_KERNEL_ROWS:
             y = torch.empty(M, N, dtype=torch.float32)
-            rc = kernels._linear_f32(ISA_IDS[kernels.isa], type_id, data.data_ptr(), N, K, x.data_ptr(), M,
-                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                     torch.get_num_threads())
+            rc = self._linear_f32(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
+                                  bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                  torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"ember_quant_linear_f32 failed ({rc}) for type {type_id} ({N}, {K})")
             return y
+        kernels = self.kernels
         # many rows: dequantize tiles of weight rows into a reused buffer, GEMM each tile
         # (y^T row blocks are contiguous); the buffer stays small for a large LM head
         tile = max(1, min(N, TILE_VALUES // K))

@@ -83,23 +83,39 @@ static int64_t block_bytes(int type) {
 
 /* ---- activations ----------------------------------------------------------------- */
 
+INLINE int hsum_i32(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return _mm_cvtsi128_si32(x);
+}
+
+/* llama.cpp's quantize_row_q8_0 (AVX2): d = max|x| / 127, q = round(x / d) (to nearest even) */
 void ember_quant_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *s, int nthreads) {
     int64_t nb = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 65536)
     for (int64_t i = 0; i < M * nb; i++) {
-        const float *v = x + i * 32;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-        float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
-        int sum0 = 0, sum1 = 0;
-        for (int j = 0; j < 32; j++) {
-            int qq = (int)roundf(v[j] * id);
-            q[i * 32 + j] = (int8_t)qq;
-            if (j < 16) sum0 += qq; else sum1 += qq;
+        const float *p = x + i * 32;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(p + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
         }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float dd = _mm_cvtss_f32(m4) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        __m256i n[4];
+        for (int j = 0; j < 4; j++)
+            n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        s[2 * i] = (int16_t)hsum_i32(_mm256_add_epi32(n[0], n[1]));
+        s[2 * i + 1] = (int16_t)hsum_i32(_mm256_add_epi32(n[2], n[3]));
+        __m256i a = _mm256_packs_epi32(n[0], n[1]), b = _mm256_packs_epi32(n[2], n[3]);
+        a = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + i * 32), a);
         d[i] = dd;
-        s[2 * i] = (int16_t)sum0;
-        s[2 * i + 1] = (int16_t)sum1;
     }
 }
 
@@ -176,13 +192,19 @@ static void dequant_block(int type, const uint8_t *w, float *out) {
     }
 }
 
+static int dequant_row_avx2(int type, const uint8_t *w, float *out, int64_t K);
+
+/* many rows (prefill) dequantize tiles of W for a float GEMM: vectorized for the types
+ * that have it (same operations, so the same numbers), block by block otherwise */
 int ember_quant_dequant(int type, const uint8_t *w, int64_t N, int64_t K, float *out, int nthreads) {
     int64_t bv = block_values(type), bb = block_bytes(type);
     if (!bb || K % bv) return -1;
     int64_t nb = K / bv;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++)
+    for (int64_t n = 0; n < N; n++) {
+        if (dequant_row_avx2(type, w + n * nb * bb, out + n * K, K)) continue;
         for (int64_t b = 0; b < nb; b++) dequant_block(type, w + (n * nb + b) * bb, out + n * K + b * bv);
+    }
     return 0;
 }
 
@@ -271,7 +293,8 @@ static float dot_ref(int type, const uint8_t *w, const int8_t *q, const float *d
     return acc;
 }
 
-typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, int64_t);
+/* w row, activation q, its block scales dx, half-block sums s, fs = dx * (s0 + s1) per block, K */
+typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, const float *, int64_t);
 
 INLINE float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -284,19 +307,46 @@ INLINE float hsum8(__m256 v) {
 /* ---- the SIMD bodies, once per instruction set ------------------------------------ */
 #define EMBER_QUANT_BODY
 #define SFX(name) name##_avx2
-#define TARGET __attribute__((target("avx2,fma")))
+#define TARGET __attribute__((target("avx2,fma,f16c")))
 #define DOT32(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (q)), _mm256_set1_epi16(1))
 #include __FILE__
 #undef SFX
 #undef TARGET
 #undef DOT32
 #define SFX(name) name##_avx512vnni
-#define TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define DOT32(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (q))
 #include __FILE__
 #undef SFX
 #undef TARGET
 #undef DOT32
+
+/* 32 values of a block as int32 -> float, times d (then + m): gguf's order, no FMA */
+__attribute__((target("avx2,fma,f16c"))) INLINE void store32(__m256i bytes, int is_signed, __m256 d, __m256 m,
+                                                       int has_min, int offset, float *out) {
+    __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 2; e++) {
+            __m128i eight = e ? _mm_srli_si128(halves[h], 8) : halves[h];
+            __m256i v = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+            if (offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset));
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+            if (has_min) f = _mm256_add_ps(f, m);
+            _mm256_storeu_ps(out + 16 * h + 8 * e, f);
+        }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static int dequant_row_avx2(int type, const uint8_t *w, float *out, int64_t K) {
+    if (type != T_Q4_0 && type != T_Q4_1 && type != T_Q8_0) return 0;
+    int64_t bb = block_bytes(type);
+    for (int64_t b = 0; b < K / 32; b++, w += bb, out += 32) {
+        __m256 d = _mm256_set1_ps(h2f_avx2(w));
+        if (type == T_Q8_0) store32(_mm256_loadu_si256((const __m256i *)(w + 2)), 1, d, d, 0, 0, out);
+        else if (type == T_Q4_0) store32(nibbles16_avx2(w + 2), 0, d, d, 0, 8, out);
+        else store32(nibbles16_avx2(w + 4), 0, d, _mm256_set1_ps(h2f_avx2(w + 2)), 1, 0, out);
+    }
+    return 1;
+}
 
 static dot_fn simd_dot(int isa, int type) {
     if (isa == ISA_AVX2) return dot_for_type_avx2(type);
@@ -314,19 +364,24 @@ int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K
                        const int16_t *s, int64_t M, const float *bias, float *y, int nthreads) {
     int64_t bv = block_values(type), bb = block_bytes(type);
     if (!bb || K % bv || !ember_quant_has_kernel(isa, type)) return -1;
-    int64_t row_bytes = K / bv * bb;
+    int64_t row_bytes = K / bv * bb, nb = K / 32;
     dot_fn fn = simd_dot(isa, type);
+    /* each block's offset term needs dx * sum(q): once per activation block, not per weight row */
+    float *fs = malloc((size_t)(M * nb) * sizeof(float));
+    if (!fs) return -2;
+    for (int64_t i = 0; i < M * nb; i++) fs[i] = dx[i] * (float)(s[2 * i] + s[2 * i + 1]);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
         float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < M; m++) {
             const int8_t *qm = q + m * K;
-            const float *dm = dx + m * (K / 32);
+            const float *dm = dx + m * nb;
             const int16_t *sm = s + m * (K / 16);
-            y[m * N + n] = (fn ? fn(row, qm, dm, sm, K) : dot_ref(type, row, qm, dm, sm, K)) + b;
+            y[m * N + n] = (fn ? fn(row, qm, dm, sm, fs + m * nb, K) : dot_ref(type, row, qm, dm, sm, K)) + b;
         }
     }
+    free(fs);
     return 0;
 }
 
@@ -349,6 +404,12 @@ int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64
 
 #else /* EMBER_QUANT_BODY: one instruction set's kernels; SFX, TARGET and DOT32 say which */
 
+TARGET INLINE float SFX(h2f)(const uint8_t *p) { /* F16C: one instruction where f16() takes a dozen */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 TARGET INLINE __m256i SFX(nibbles16)(const uint8_t *p) { /* 16 bytes -> 32 values: low nibbles, then high */
     __m128i t = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
@@ -363,59 +424,84 @@ TARGET INLINE __m256i SFX(bits32)(const uint8_t *p) { /* bit j of a little-endia
     return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-TARGET static float SFX(dot_q8_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+TARGET INLINE __m256 SFX(q8_block)(const uint8_t *w, const int8_t *q, float dx, __m256 acc) {
+    __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
+    __m256i xq = _mm256_loadu_si256((const __m256i *)q);
+    __m256i p = DOT32(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    return _mm256_fmadd_ps(_mm256_set1_ps(SFX(h2f)(w) * dx), _mm256_cvtepi32_ps(p), acc);
+}
+
+/* two blocks per iteration into two accumulators: the FMA latency is not the bound */
+TARGET static float SFX(dot_q8_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
     (void)s;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / 32; b++, w += 34) {
-        __m256i wq = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
-        __m256i p = DOT32(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * dx[b]), _mm256_cvtepi32_ps(p), acc);
+    (void)fs;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t nb = K / 32, b = 0;
+    for (; b + 1 < nb; b += 2, w += 68) {
+        acc0 = SFX(q8_block)(w, q + 32 * b, dx[b], acc0);
+        acc1 = SFX(q8_block)(w + 34, q + 32 * b + 32, dx[b + 1], acc1);
     }
-    return hsum8(acc);
+    if (b < nb) acc0 = SFX(q8_block)(w, q + 32 * b, dx[b], acc0);
+    return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
 /* Q4_0, Q4_1, Q5_0, Q5_1: 32-blocks, w = d u + c */
-TARGET INLINE float SFX(dot_32)(int type, const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
-                                int64_t K) {
+TARGET INLINE __m256 SFX(block_32)(int type, const uint8_t *w, const int8_t *q, float dx, float fs, __m256 acc,
+                                   float *offset) {
     const int has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
-    const int64_t bb = block_bytes(type);
-    __m256 acc = _mm256_setzero_ps();
-    float offset = 0.0f;
-    for (int64_t b = 0; b < K / 32; b++, w += bb) {
-        const uint8_t *qs = w + 2 + 2 * has_min + 4 * five;
-        __m256i u = SFX(nibbles16)(qs);
-        if (five) u = _mm256_or_si256(u, SFX(bits32)(w + 2 + 2 * has_min));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
-        float d = f16(w), c = has_min ? f16(w + 2) : (five ? -16.0f : -8.0f) * d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), _mm256_cvtepi32_ps(DOT32(u, xq)), acc);
-        offset += c * dx[b] * (float)(s[2 * b] + s[2 * b + 1]);
-    }
-    return hsum8(acc) + offset;
+    __m256i u = SFX(nibbles16)(w + 2 + 2 * has_min + 4 * five);
+    if (five) u = _mm256_or_si256(u, SFX(bits32)(w + 2 + 2 * has_min));
+    __m256i xq = _mm256_loadu_si256((const __m256i *)q);
+    float d = SFX(h2f)(w), c = has_min ? SFX(h2f)(w + 2) : (five ? -16.0f : -8.0f) * d;
+    *offset += c * fs;
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(DOT32(u, xq)), acc);
 }
 
-TARGET static float SFX(dot_q4_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_32)(T_Q4_0, w, q, dx, s, K);
+TARGET INLINE float SFX(dot_32)(int type, const uint8_t *w, const int8_t *q, const float *dx, const float *fs,
+                                int64_t K) {
+    const int64_t bb = block_bytes(type), nb = K / 32;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off0 = 0.0f, off1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 2 * bb) {
+        acc0 = SFX(block_32)(type, w, q + 32 * b, dx[b], fs[b], acc0, &off0);
+        acc1 = SFX(block_32)(type, w + bb, q + 32 * b + 32, dx[b + 1], fs[b + 1], acc1, &off1);
+    }
+    if (b < nb) acc0 = SFX(block_32)(type, w, q + 32 * b, dx[b], fs[b], acc0, &off0);
+    return hsum8(_mm256_add_ps(acc0, acc1)) + off0 + off1;
 }
-TARGET static float SFX(dot_q4_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_32)(T_Q4_1, w, q, dx, s, K);
+
+TARGET static float SFX(dot_q4_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_32)(T_Q4_0, w, q, dx, fs, K);
 }
-TARGET static float SFX(dot_q5_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_32)(T_Q5_0, w, q, dx, s, K);
+TARGET static float SFX(dot_q4_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_32)(T_Q4_1, w, q, dx, fs, K);
 }
-TARGET static float SFX(dot_q5_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_32)(T_Q5_1, w, q, dx, s, K);
+TARGET static float SFX(dot_q5_0)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_32)(T_Q5_0, w, q, dx, fs, K);
+}
+TARGET static float SFX(dot_q5_1)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_32)(T_Q5_1, w, q, dx, fs, K);
 }
 
 /* Q4_K, Q5_K: 256-blocks of 8 sub-blocks of 32, w = d sc_j u - dmin mn_j */
-TARGET INLINE float SFX(dot_k45)(int five, const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+TARGET INLINE float SFX(dot_k45)(int five, const uint8_t *w, const int8_t *q, const float *dx, const float *fs,
                                  int64_t K) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
     float offset = 0.0f;
     const int64_t bb = five ? 176 : 144;
     for (int64_t b = 0; b < K / 256; b++, w += bb) {
-        float d = f16(w), dmin = f16(w + 2);
+        float d = SFX(h2f)(w), dmin = SFX(h2f)(w + 2);
         uint8_t sc[8], mn[8];
         k_scale_min(w + 4, sc, mn);
         const uint8_t *qs = w + (five ? 48 : 16);
@@ -434,29 +520,34 @@ TARGET INLINE float SFX(dot_k45)(int five, const uint8_t *w, const int8_t *q, co
             __m256i p1 = DOT32(u1, _mm256_loadu_si256((const __m256i *)(q + 32 * a1)));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c] * dx[a0]), _mm256_cvtepi32_ps(p0), acc);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * c + 1] * dx[a1]), _mm256_cvtepi32_ps(p1), acc);
-            offset -= dmin * ((float)mn[2 * c] * dx[a0] * (float)(s[2 * a0] + s[2 * a0 + 1])
-                              + (float)mn[2 * c + 1] * dx[a1] * (float)(s[2 * a1] + s[2 * a1 + 1]));
+            offset -= dmin * ((float)mn[2 * c] * fs[a0] + (float)mn[2 * c + 1] * fs[a1]);
         }
     }
     return hsum8(acc) + offset;
 }
 
-TARGET static float SFX(dot_q4_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_k45)(0, w, q, dx, s, K);
+TARGET static float SFX(dot_q4_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_k45)(0, w, q, dx, fs, K);
 }
-TARGET static float SFX(dot_q5_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
-    return SFX(dot_k45)(1, w, q, dx, s, K);
+TARGET static float SFX(dot_q5_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)s;
+    return SFX(dot_k45)(1, w, q, dx, fs, K);
 }
 
 /* Q6_K: 256-blocks of 16 sub-blocks of 16, w = d sc_k (u - 32), u six bits */
-TARGET static float SFX(dot_q6_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s, int64_t K) {
+TARGET static float SFX(dot_q6_k)(const uint8_t *w, const int8_t *q, const float *dx, const int16_t *s,
+                                  const float *fs, int64_t K) {
+    (void)fs;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     float offset = 0.0f;
     for (int64_t b = 0; b < K / 256; b++, w += 210) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
-        float d = f16(w + 208);
+        float d = SFX(h2f)(w + 208);
         for (int h = 0; h < 2; h++) {
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
