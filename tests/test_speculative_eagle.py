@@ -348,3 +348,26 @@ def test_a_request_without_features_gets_no_drafts(tmp_path):
     assert speculator._states["seen"].num_pending == 0
     speculator.release("seen")
     assert "seen" not in speculator._states
+
+
+def test_features_waiting_past_the_cap_drop_the_oldest(tmp_path, monkeypatch):
+    """A request offered no drafts for long (a large batch steps aside) keeps its
+    latest MAX_PENDING_TOKENS features only; the head then attends over those."""
+    from ember.plugins.speculative import eagle
+
+    monkeypatch.setattr(eagle, "MAX_PENDING_TOKENS", 8)
+    target_dir = tmp_path / "target"
+    target = make_tiny_model("llama", target_dir, seed=4)
+    write_eagle_head(tmp_path / "head", target)
+    llm = LLM(str(target_dir), dtype="float32", num_kv_tokens=256, speculative_config=_config(tmp_path / "head"))
+    speculator = llm.engine.core.speculator.speculator
+    hidden = torch.randn(20, 64)
+    speculator.observe_hidden("r", 0, hidden[:6])
+    speculator.observe_hidden("r", 6, hidden[6:11])
+    speculator.observe_hidden("r", 11, hidden[11:14])
+    state = speculator._states["r"]
+    assert (state.base, state.num_fed, state.num_pending, state.end) == (6, 0, 8, 14)
+    assert torch.equal(torch.cat(state.pending), hidden[6:14])
+    tokens = list(range(30, 45))  # 15 tokens: features up to position 13
+    [proposal] = speculator.propose([SpecRequest("r", tokens[:10], tokens[10:], 3, 0.0)])
+    assert len(proposal.token_ids) == 3 and (state.base, state.num_fed, state.num_pending) == (6, 8, 0)

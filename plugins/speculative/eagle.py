@@ -301,10 +301,13 @@ class EagleSpeculator(BaseSpeculator):
             return  # recomputed after preemption: the head has them already
         state.pending.append(rows)
         state.num_pending += len(rows)
-        if state.num_pending > MAX_PENDING_TOKENS:
-            features = torch.cat(state.pending)[-MAX_PENDING_TOKENS:]
-            state.restart(state.end - len(features))
-            state.pending, state.num_pending = [features], len(features)
+        if state.num_pending > MAX_PENDING_TOKENS:  # the oldest go (views: nothing is copied)
+            end, pending, excess = state.end, state.pending, state.num_pending - MAX_PENDING_TOKENS
+            while excess >= len(pending[0]):
+                excess -= len(pending.pop(0))
+            pending[0] = pending[0][excess:]
+            state.restart(end - MAX_PENDING_TOKENS)  # the K/V no longer joins the features
+            state.pending, state.num_pending = pending, MAX_PENDING_TOKENS
 
     # -- the KV pool -----------------------------------------------------------------------------
     def _ensure_blocks(self, state: _State, num_slots: int, keep: set[str]) -> bool:
