@@ -151,6 +151,16 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )
+    parallel = parser.add_argument_group("parallelism (docs/parallel.md)")
+    parallel.add_argument(
+        "--tensor-parallel-size", "--num-shard", dest="tensor_parallel_size", metavar="N", type=int, default=None,
+        help="split every layer over N worker processes (TGI's --num-shard) [EMBER_TENSOR_PARALLEL_SIZE]",
+    )
+    parallel.add_argument(
+        "--pipeline-parallel-size", metavar="M", type=int, default=None,
+        help="split the layers into M stages, one process each (N x M processes in all) "
+        "[EMBER_PIPELINE_PARALLEL_SIZE]",
+    )
     speculative = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     speculative.add_argument(
         "--speculate", metavar="N", type=int, default=None,

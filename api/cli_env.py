@@ -151,6 +151,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
     "request_body_timeout": EnvOption("EMBER_REQUEST_BODY_TIMEOUT", float),
     "speculate": EnvOption("EMBER_SPECULATE", int),
+    "tensor_parallel_size": EnvOption("EMBER_TENSOR_PARALLEL_SIZE", int),
+    "pipeline_parallel_size": EnvOption("EMBER_PIPELINE_PARALLEL_SIZE", int),
     "speculative_config": EnvOption("EMBER_SPECULATIVE_CONFIG", str),
 }
 
@@ -200,6 +202,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "graceful_termination_timeout": 30.0,
     "request_body_timeout": 30.0,
     "speculate": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
     "speculative_config": None,
 }
 

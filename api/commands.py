@@ -102,15 +102,25 @@ def run_serve(args: argparse.Namespace) -> int:
         graceful_termination_timeout=args.graceful_termination_timeout,
         request_body_timeout=args.request_body_timeout,
         speculative_config=_speculative_config(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
+    from ember.parallel import is_torchrun_worker, run_torchrun_worker
+
+    if is_torchrun_worker():  # a rank > 0 of torchrun: compute the steps rank 0 sends, serve nothing
+        from ember.api.settings import engine_config_kwargs
+        from ember.config import EngineConfig
+
+        run_torchrun_worker(EngineConfig(**engine_config_kwargs(settings)))
+        return 0
     try:
-        serve(settings)
+        status = serve(settings)
     except KVCacheTooSmallError as exc:  # said in the flags the user set, not the engine's fields
         raise ValueError(kv_shortfall_message(
             settings, exc.num_kv_tokens, exc.max_model_len, bytes_per_token=exc.bytes_per_token,
             block_size=exc.block_size, default_budget_bytes=exc.budget_bytes,
         )) from None
-    return 0
+    return status or 0
 
 
 def run_watermark_detect(args: argparse.Namespace) -> int:

@@ -166,6 +166,21 @@ def create_server(app: Starlette, settings: ServerSettings):
         async def startup(self, sockets=None) -> None:
             self._loop = asyncio.get_running_loop()
             await super().startup(sockets)
+            self._engine_watch = self._loop.create_task(self._watch_engine())
+
+        async def _watch_engine(self) -> None:
+            # An engine that died (a parallel worker lost, the core process gone) serves
+            # nothing more: its streams have ended with an error event; new requests get
+            # 503 while the server drains, then it exits non-zero for a supervisor to see.
+            engine = app.state.service.client
+            while not self.should_exit:
+                error = getattr(engine, "dead_error", None)
+                if error is not None:
+                    logger.error("the engine stopped (%s); the server shuts down", error)
+                    self.engine_died = True
+                    lifecycle.begin_drain(self._drained)
+                    return
+                await asyncio.sleep(0.2)
 
     config = uvicorn.Config(
         app, host=settings.hostname, port=settings.port, log_level="warning",
@@ -173,11 +188,14 @@ def create_server(app: Starlette, settings: ServerSettings):
         timeout_graceful_shutdown=5,
         log_config=None if settings.json_output else uvicorn.config.LOGGING_CONFIG,
     )
-    return DrainingServer(config)
+    server = DrainingServer(config)
+    server.engine_died = False
+    return server
 
 
-def serve(settings: ServerSettings) -> None:
-    """Load the model, then serve until interrupted (SIGTERM/SIGINT drain first)."""
+def serve(settings: ServerSettings) -> int:
+    """Load the model, then serve until interrupted (SIGTERM/SIGINT drain first).
+    Returns the exit status: 1 when the server stopped because the engine died."""
     engine = build_engine(settings)
     app = create_app(engine, settings)
     service: GenerationService = app.state.service
@@ -193,4 +211,6 @@ def serve(settings: ServerSettings) -> None:
         "API-key auth on" if settings.api_key is not None else "API-key auth off: every route is open",
         settings.hostname, settings.port,
     )
-    create_server(app, settings).run()
+    server = create_server(app, settings)
+    server.run()
+    return 1 if server.engine_died else 0

@@ -100,6 +100,9 @@ class ServerSettings:
     request_body_timeout: float = 30.0
     # speculative decoding (docs/speculative.md): an ember.speculative.SpeculativeConfig or None
     speculative_config: Any = None
+    # tensor and pipeline parallelism (docs/parallel.md): worker processes per stage, stages
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
@@ -120,6 +123,8 @@ class ServerSettings:
             "max_batch_size": self.max_batch_size,
             "num_threads": self.num_threads,
         }
+        positive["tensor_parallel_size"] = self.tensor_parallel_size
+        positive["pipeline_parallel_size"] = self.pipeline_parallel_size
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"--engine-mode must be 'thread' or 'process', got {self.engine_mode!r}")
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
@@ -286,6 +291,9 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["max_num_seqs"] = settings.max_batch_size
     if settings.speculative_config is not None:
         kwargs["speculative_config"] = settings.speculative_config
+    if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = settings.tensor_parallel_size
+        kwargs["pipeline_parallel_size"] = settings.pipeline_parallel_size
     if settings.num_threads is not None:
         kwargs["num_threads"] = settings.num_threads
     if settings.graph_sizes is not None:

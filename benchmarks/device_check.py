@@ -16,6 +16,12 @@ with transformers holds for any weights).
    device-to-device copy's GB/s measured here); Ember with its decode graphs (the
    default; their capture time reported) and with --enforce-eager, in this run.
 
+5. Optional, on a machine with several devices (``--tensor-parallel N``, default: every
+   device when there are 2 or more): the same model with tensor_parallel_size=N, one
+   process per device over NCCL/RCCL (docs/parallel.md): its greedy tokens against
+   the single-device engine's, and batch-1 decode and 128-prompt offline tokens/s
+   against one device.
+
 The attention in use (flash-attn where installed, else Triton) is recorded; set
 EMBER_ATTENTION=triton to measure the Triton kernels where flash-attn is installed.
 
@@ -113,6 +119,8 @@ def main() -> int:
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--out", default="device_check.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU backend (checks the script)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="also run with N devices (default: all of them when there are 2 or more; 1: skip)")
     args = parser.parse_args()
 
     import transformers
@@ -204,6 +212,38 @@ def main() -> int:
         step("greedy_vs_transformers", greedy)
         step("offline", offline)
         step("decode_batch1", decode)
+
+        num_devices = cls.device_module().device_count() if hasattr(cls, "device_module") and not args.dry_run else 1
+        tp = args.tensor_parallel if args.tensor_parallel is not None else (num_devices if num_devices >= 2 else 1)
+        if args.dry_run and args.tensor_parallel:  # the dry run checks the step on gloo with CPU ranks
+            num_devices = tp
+
+        def tensor_parallel():
+            if tp > num_devices:
+                raise ValueError(f"--tensor-parallel {tp}: only {num_devices} device(s) here")
+            n, new = sizes["greedy"]
+            ids = prompts(n, vocab, 1)
+            _, single = ember_run(llm, ids, new)
+            single_decode, _ = ember_run(llm, prompts(1, vocab, 7), sizes["decode"])
+            offline_ids = prompts(sizes["offline"][0], vocab, 3)
+            single_offline, _ = ember_run(llm, offline_ids, 128 if not args.dry_run else 8)
+            started = time.perf_counter()
+            with LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len,
+                     tensor_parallel_size=tp) as tp_llm:
+                startup = time.perf_counter() - started
+                _, sharded = ember_run(tp_llm, ids, new)
+                ember_run(tp_llm, prompts(2, vocab, 0), 4)  # warm-up
+                tp_decode, _ = ember_run(tp_llm, prompts(1, vocab, 7), sizes["decode"])
+                tp_offline, _ = ember_run(tp_llm, offline_ids, 128 if not args.dry_run else 8)
+                ranks = tp_llm.engine.core.parallel.describe_ranks()
+            return {"tensor_parallel_size": tp, "startup_seconds": round(startup, 1),
+                    "identical_to_one_device": sum(a == b for a, b in zip(sharded, single)), "of": n,
+                    "decode_tokens_per_s": tp_decode, "one_device_decode_tokens_per_s": single_decode,
+                    "offline_tokens_per_s": tp_offline, "one_device_offline_tokens_per_s": single_offline,
+                    "rank_weight_bytes": [r.weight_bytes for r in ranks]}
+
+        if tp > 1:
+            step("tensor_parallel", tensor_parallel)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

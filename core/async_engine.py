@@ -24,7 +24,9 @@ import torch
 
 from ember.config import EngineConfig
 from ember.engine import LLMEngine
-from ember.engine_client import EngineClient, EngineDeadError, EngineStats, ModelInfo, RequestAbortedError
+from ember.engine_client import (
+    EngineClient, EngineDeadError, EngineFatalError, EngineStats, ModelInfo, RequestAbortedError,
+)
 from ember.engine_core import EngineCore, EngineCoreOutputs, EngineCoreRequest
 from ember.input_processor import InputProcessor, apply_chat_template
 from ember.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsProcessorContext
@@ -160,6 +162,8 @@ class AsyncLLMEngine(EngineClient):
             self._thread = None
         if self._process is not None:
             self._process.close(timeout)
+        elif self._core is not None:
+            self._core.close()  # parallel workers, if any
 
     @property
     def is_running(self) -> bool:
@@ -329,12 +333,16 @@ class AsyncLLMEngine(EngineClient):
             while not self._stop.is_set():
                 self._drain_commands(core)
                 if not core.has_unfinished_requests():
+                    if core.fatal_error is not None:  # a parallel worker died while idle
+                        raise EngineFatalError(core.fatal_error)
                     self._stats = core.stats()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
                 try:
                     outputs = core.step()
+                except EngineFatalError:
+                    raise
                 except Exception as exc:
                     # Fail the requests in flight, keep the loop alive for the next ones.
                     logger.exception("engine step failed; aborting the %d request(s) in flight", len(self._streams))
@@ -343,6 +351,10 @@ class AsyncLLMEngine(EngineClient):
                     self._fail(ids, RuntimeError(f"engine step failed: {exc!r}"))
                     continue
                 self._handle(outputs)
+        except EngineFatalError as exc:
+            logger.error("engine stops: %s", exc)
+            core.close()
+            self._die(EngineDeadError(f"engine stopped: {exc}"))
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             logger.exception("engine loop died")
             self._die(exc)
@@ -387,6 +399,8 @@ class AsyncLLMEngine(EngineClient):
                     self._fail([message[1]], ValueError(message[2]))
                 elif kind == "step_failed":
                     self._fail(message[2], RuntimeError(f"engine step failed: {message[1]}"))
+                elif kind == "fatal":  # the core stopped for good (a parallel worker died)
+                    raise EngineDeadError(f"engine stopped: {message[1]}")
         except BaseException as exc:
             logger.error("engine core lost: %s", exc)
             self._die(exc)

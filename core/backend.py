@@ -162,6 +162,11 @@ class BaseBackend(ABC):
     #: The budget of a step in which no request decodes (prompts only; nobody waits
     #: between steps), when the user gave no budget; None: ``default_step_tokens``.
     default_prefill_step_tokens: ClassVar[int | None] = None
+    #: The ``torch.distributed`` backend its ranks communicate over when the model is
+    #: split across processes (``ember.parallel``): "gloo" (host memory), "nccl"
+    #: (NVIDIA, and AMD, where PyTorch's RCCL build keeps the name), "xccl" (Intel),
+    #: "hccl" (Gaudi).
+    distributed_backend: ClassVar[str] = "gloo"
 
     @classmethod
     @abstractmethod

@@ -121,6 +121,12 @@ class EngineConfig:
     # a format the backend has no kernel for is dequantized at load (else refused)
     quantize: str | None = None
     dequantize: bool = False
+    # Tensor and pipeline parallelism (docs/parallel.md, ember.parallel): the model split
+    # over tensor_parallel_size x pipeline_parallel_size ranks, one process each; a
+    # collective that waits longer than parallel_timeout_s on a peer is an error
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(
@@ -154,6 +160,13 @@ class EngineConfig:
             if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
                 raise ValueError(f"graph_sizes must be positive integers, got {list(sizes)}")
             object.__setattr__(self, "graph_sizes", tuple(sorted(set(sizes))))
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        timeout = self.parallel_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if self.num_kv_tokens is not None:
             if self.num_kv_blocks is not None:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")

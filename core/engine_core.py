@@ -24,6 +24,7 @@ import gc
 import logging
 import multiprocessing
 import pickle
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,7 @@ import torch
 
 from ember.backend import select_backend
 from ember.config import EngineConfig, SchedulerConfig
-from ember.engine_client import EngineStats, ModelInfo
+from ember.engine_client import EngineFatalError, EngineStats, ModelInfo
 from ember.grammar import BaseCompiledGrammar, GrammarContext
 from ember.grammar_manager import GrammarManager
 from ember.graphs import default_graph_sizes
@@ -46,6 +47,7 @@ from ember.model_loader import load_hf_config, load_model, model_dtype, prefill_
 from ember.quantization import select_quantizer
 from ember.model_runner import ModelRunner
 from ember.output_processor import EngineCoreOutput
+from ember.parallel import ParallelExecutor, start_parallel
 from ember.parallel_sampling import child_id, child_params
 from ember.plugin import create_plugin_manager
 from ember.plugin.manager import EmberPluginManager
@@ -128,7 +130,15 @@ class EngineCore:
             budget = config.kv_cache_memory_bytes
             num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
             check_kv_cache(num_blocks, block_size, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
-        self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
+        # Tensor/pipeline parallelism (ember.parallel): this process is rank 0, the driver
+        self.parallel: ParallelExecutor | None = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.parallel = start_parallel(config, self.model_dir, self.hf_config, self.backend, self.plugin_manager,
+                                           self.num_threads)
+            self.num_threads = self.parallel.num_threads
+            self.model = self.parallel.load_model()
+        else:
+            self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
                                     quantizer, config.dequantize)
 
         max_model_len = self.max_model_len
@@ -143,6 +153,11 @@ class EngineCore:
             max_batched = max(8192, max_model_len)
 
         bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
+        if num_blocks is None and self.parallel is not None:  # each rank profiles its shard; the smallest pool wins
+            num_blocks, budget = self.parallel.agree_num_blocks(
+                min(max(max_batched, prefill_batched or 0), max_model_len), block_size, config.max_num_seqs,
+            )
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, bytes_per_token, budget)
         if num_blocks is None:
             # The backend's share of the memory left after the weights and the peak of
             # a profiling forward pass at the largest step (vLLM's approach).
@@ -167,11 +182,15 @@ class EngineCore:
             LogitsProcessorContext(self.hf_config.vocab_size, self.eos_token_ids, self.tokenizer),
             config.processor_options,
         )
-        self.runner = ModelRunner(
-            self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,
-            self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            vocab_size=self.hf_config.vocab_size,
-        )
+        if self.parallel is not None:  # the driver's runner sends each step to the workers first
+            self.runner = self.parallel.create_runner(num_blocks, block_size, config.seed, self.logits_pipeline,
+                                                      config.max_num_seqs, max_model_len)
+        else:
+            self.runner = ModelRunner(
+                self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,
+                self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                vocab_size=self.hf_config.vocab_size,
+            )
         self.graph_capture_seconds = self._capture_graphs(config, attention)
         # The step's slots for the plugin kinds built on it (ember.step): the
         # speculative decoder (config.speculative_config, ember.speculative) proposes
@@ -212,7 +231,7 @@ class EngineCore:
     def _capture_graphs(self, config: EngineConfig, attention) -> float | None:
         """Capture decode steps in device graphs where the backend has them and the
         attention has a static form (``ember.graphs``); the seconds it took, or None."""
-        if config.enforce_eager or config.graph_sizes == ():
+        if config.enforce_eager or config.graph_sizes == () or self.parallel is not None:
             return None
         capture = self.backend.graph_capture()
         if capture is None:
@@ -223,6 +242,16 @@ class EngineCore:
             return None
         sizes = config.graph_sizes or default_graph_sizes(config.max_num_seqs)
         return self.runner.capture_graphs(capture, sizes).capture_seconds
+
+    def close(self) -> None:
+        """Stop the parallel workers, if any (idempotent; a single-process core holds nothing)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine cannot go on (a parallel worker died), or None."""
+        return self.parallel.failure if self.parallel is not None else None
 
     # -- facts ------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -521,8 +550,18 @@ def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
         conn.send(("failed", exc))
         return
     conn.send(("ready", core.model_info()))
-    with torch.inference_mode():  # for good in this process: no tensor here needs autograd
-        _serve(core, conn)
+    try:
+        with torch.inference_mode():  # for good in this process: no tensor here needs autograd
+            _serve(core, conn)
+    except EngineFatalError as exc:  # a parallel worker died: report it, stop the workers, exit non-zero
+        logger.error("engine stops: %s", exc)
+        try:
+            conn.send(("fatal", str(exc), list(core.scheduler.requests)))
+        except OSError:
+            pass
+        core.close()
+        sys.exit(1)
+    core.close()
 
 
 def _serve(core: EngineCore, conn: Connection) -> None:
@@ -531,6 +570,9 @@ def _serve(core: EngineCore, conn: Connection) -> None:
         while not core.has_unfinished_requests() or conn.poll(0):
             if not core.has_unfinished_requests() and not conn.poll(0):
                 conn.send(("stats", core.stats()))  # idle now: the counts after the last aborts
+            while core.parallel is not None and not conn.poll(0.5):  # idle: watch the parallel workers
+                if core.fatal_error is not None:
+                    raise EngineFatalError(core.fatal_error)
             try:
                 message = conn.recv()
             except (EOFError, OSError):
@@ -547,6 +589,8 @@ def _serve(core: EngineCore, conn: Connection) -> None:
                 core.abort_requests(message[1], message[2])
         try:
             outputs = core.step()
+        except EngineFatalError:
+            raise
         except Exception as exc:
             logger.exception("engine step failed; aborting the requests in flight")
             ids = list(core.scheduler.requests)
@@ -566,8 +610,11 @@ class EngineCoreProcess:
         # both send: one message at a time on the pipe
         self._send_lock = threading.Lock()
         level = logging.getLogger().getEffectiveLevel()
+        # a daemonic process may not start processes: one with parallel workers is not
+        # daemonic (it still exits when this process closes the pipe or dies)
+        is_parallel = config.tensor_parallel_size * config.pipeline_parallel_size > 1
         self.process = ctx.Process(
-            target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=True
+            target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=not is_parallel
         )
         self.process.start()
         child_conn.close()

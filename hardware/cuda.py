@@ -11,6 +11,7 @@ from ember.plugin import hookimpl
 
 class CUDABackend(TorchDeviceBackend):
     name = "cuda"
+    distributed_backend = "nccl"
     device_type = "cuda"
     runs_flash_attn = True
 

@@ -22,6 +22,7 @@ def _hpu():
 
 class GaudiBackend(TorchDeviceBackend):
     name = "gaudi"
+    distributed_backend = "hccl"  # habana_frameworks.torch.distributed.hccl
     device_type = "hpu"
     uses_triton = False  # Gaudi has no Triton: PyTorch's attention ops, lowered by the bridge
 

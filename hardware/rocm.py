@@ -12,6 +12,7 @@ from ember.plugin import hookimpl
 
 class ROCmBackend(TorchDeviceBackend):
     name = "rocm"
+    distributed_backend = "nccl"  # RCCL, under NCCL's name in ROCm builds of PyTorch
     device_type = "cuda"  # PyTorch's HIP build names AMD GPUs "cuda"
     runs_flash_attn = True  # flash-attn's ROCm build (composable kernels)
 

@@ -12,6 +12,7 @@ from ember.plugin import hookimpl
 
 class XPUBackend(TorchDeviceBackend):
     name = "xpu"
+    distributed_backend = "xccl"  # oneCCL, built into PyTorch >= 2.7 (older: "ccl" from oneccl_bindings_for_pytorch)
     device_type = "xpu"
 
     @classmethod

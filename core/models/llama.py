@@ -16,6 +16,9 @@ from torch import nn
 from ember.backend import BaseAttention
 from ember.models.base import BaseCausalLM, KVCacheSpec
 from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from ember.parallel.model import (
+    build_parallel_shard, gather_logits, parallel_attention, parallel_mlp, pipeline_forward,
+)
 from ember.plugin import hookimpl
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -26,7 +29,7 @@ def _head_dim(cfg) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, attention: BaseAttention, dtype, compute_dtype, device) -> None:
+    def __init__(self, cfg, attention: BaseAttention, dtype, compute_dtype, device, parallel=None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -39,9 +42,16 @@ class LlamaAttention(nn.Module):
         # Qwen2 has q/k/v biases without declaring attention_bias.
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias, dtype, compute_dtype, device)
         o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
-        self.o_proj = Linear(q_size, [cfg.hidden_size], o_bias, dtype, compute_dtype, device)
+        if parallel is not None and parallel.tp_size > 1:  # tensor parallelism: this rank's heads
+            self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = parallel_attention(
+                parallel, cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, bias, o_bias,
+                dtype, compute_dtype, device,
+            )
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        else:
+            self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias, dtype, compute_dtype, device)
+            self.o_proj = Linear(q_size, [cfg.hidden_size], o_bias, dtype, compute_dtype, device)
         self.sizes = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
         self.attn = attention
@@ -58,15 +68,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, dtype, compute_dtype, device) -> None:
+    def __init__(self, cfg, dtype, compute_dtype, device, parallel=None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported by the Llama family (only 'silu')")
         inter = cfg.intermediate_size
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias, dtype, compute_dtype, device)
-        self.down_proj = Linear(inter, [cfg.hidden_size], bias, dtype, compute_dtype, device)
+        if parallel is not None and parallel.tp_size > 1:  # tensor parallelism: this rank's slice
+            self.gate_up_proj, self.down_proj = parallel_mlp(
+                parallel, cfg.hidden_size, inter, bias, dtype, compute_dtype, device,
+            )
+        else:
+            self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias, dtype, compute_dtype, device)
+            self.down_proj = Linear(inter, [cfg.hidden_size], bias, dtype, compute_dtype, device)
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -74,10 +89,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, attention, dtype, compute_dtype, device) -> None:
+    def __init__(self, cfg, attention, dtype, compute_dtype, device, parallel=None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, attention, dtype, compute_dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, compute_dtype, device)
+        self.self_attn = LlamaAttention(cfg, attention, dtype, compute_dtype, device, parallel)
+        self.mlp = LlamaMLP(cfg, dtype, compute_dtype, device, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -94,7 +109,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(BaseCausalLM):
     """Weights are stored in the dtype of ``hf_config``'s load (``dtype``) and
-    multiplied in ``compute_dtype``; activations are kept in ``compute_dtype``."""
+    multiplied in ``compute_dtype``; activations are kept in ``compute_dtype``.
+
+    ``parallel`` (an ``ember.parallel.ParallelContext``, None for one process): build
+    this rank's shard: its heads and slices (tensor parallelism), its stage's layers
+    (pipeline parallelism; the other layers are empty placeholders)."""
+
+    supports_parallel = True  # ember.parallel builds it with ``parallel=``
 
     def __init__(
         self,
@@ -103,44 +124,74 @@ class LlamaForCausalLM(BaseCausalLM):
         compute_dtype: torch.dtype,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        parallel=None,
     ) -> None:
         super().__init__()
         cfg = hf_config
         dtype = dtype or compute_dtype
         self.config = cfg
         self.compute_dtype = compute_dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device) for _ in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.parallel = parallel
+        self.layer_range = (0, cfg.num_hidden_layers) if parallel is None else parallel.layer_range(cfg.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, compute_dtype, device)
-        )
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            self.embed_tokens.weight.requires_grad_(False)
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device) for _ in range(cfg.num_hidden_layers)
+            )
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.lm_head = (
+                None
+                if self.tie_word_embeddings
+                else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, compute_dtype, device)
+            )
+        else:  # this rank's shard (ember.parallel.layers)
+            self.embed_tokens, self.layers, self.norm, self.lm_head = build_parallel_shard(
+                self, cfg, parallel, lambda: LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device, parallel),
+                dtype, compute_dtype, device,
+            )
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg), device)
 
     def matmul_weights(self) -> list[torch.Tensor]:
         weights = super().matmul_weights()
-        return weights + [self.embed_tokens.weight] if self.lm_head is None else weights
+        has_head = self.parallel is None or self.parallel.is_last_stage
+        return weights + [self.embed_tokens.weight] if self.lm_head is None and has_head else weights
+
+    def holds_layer(self, index: int) -> bool:
+        """Whether this rank computes layer ``index`` (all of them without pipeline stages)."""
+        return self.layer_range[0] <= index < self.layer_range[1]
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.layers[0].self_attn
-        return KVCacheSpec(len(self.layers), attn.num_kv_heads, attn.head_dim)
+        start, end = self.layer_range
+        attn = self.layers[start].self_attn
+        return KVCacheSpec(end - start, attn.num_kv_heads, attn.head_dim)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata: Any) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.rotary)
+        if self.parallel is not None and self.parallel.pp_size > 1:  # stage by stage: ember.parallel.pipeline
+            return pipeline_forward(self, input_ids, positions, kv_caches, attn_metadata)
+        hidden, residual = self.run_layers(positions, self.embed(input_ids), None, kv_caches, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids).to(self.compute_dtype)
+
+    def run_layers(self, positions, hidden, residual, kv_caches, attn_metadata):
+        """This rank's layers (``layer_range``) over ``hidden`` (and the running residual, None before the first)."""
+        for layer, kv_cache in zip(self.layers[self.layer_range[0] : self.layer_range[1]], kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.rotary)
+        return hidden, residual
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:  # full logits on every rank: ember.parallel.layers.gather_logits
+            local = self._local_logits(hidden_states) if self.parallel.is_last_stage else None
+            return gather_logits(self.parallel, local, hidden_states.shape[0], self.config.vocab_size,
+                                 hidden_states.device)
+        return self._local_logits(hidden_states)
+
+    def _local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             weight = self.embed_tokens.weight
             if weight.dtype != self.compute_dtype:
