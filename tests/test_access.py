@@ -212,6 +212,8 @@ def test_the_startup_log_says_whether_api_key_auth_is_on(tiny_llama_dir, monkeyp
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
 
     class NotRun:
+        engine_died = False
+
         def run(self) -> None:
             pass
 

@@ -330,7 +330,8 @@ def test_plugins_lists_plugins_and_registries(capsys):
     )
     assert any(line.split() == ["speculators", "ngram", "speculative_ngram",
                                 "ember.plugins.speculative.ngram.NgramSpeculator"] for line in lines)
-    assert any(line.split() == ["quantizers", "(none)"] for line in lines)
+    assert any(line.split() == ["quantizers", "int8", "quantizer_weight_only",
+                                "ember.plugins.quantizers.weight_only.Int8Quantizer"] for line in lines)
 
 
 def test_plugins_json_and_disable(capsys, monkeypatch):
