@@ -410,7 +410,8 @@ class ModelRunner:
             if draft_probs is not None and not request.params.is_greedy:
                 # drafts sampled from q: rejection sampling against the target's p
                 accepted, ids, lps = self._verify_sampled_drafts(
-                    request, draft_probs, sampled.processed[first : first + num_positions], rows[first], ids, lps,
+                    request, draft_probs, sampled.processed[first : first + num_positions],
+                    rows[first : first + num_positions], ids, lps,
                 )
             elif request.draft_token_ids:
                 # deterministic drafts (a point mass q): accept while the target's own
@@ -462,7 +463,7 @@ class ModelRunner:
             first += num_tokens
 
     def _verify_sampled_drafts(
-        self, request: RunnerRequest, draft_probs: torch.Tensor, processed: torch.Tensor, row: SamplingRow,
+        self, request: RunnerRequest, draft_probs: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
         ids: list[int], lps: list[float],
     ) -> tuple[int, list[int], list[float]]:
         """Rejection sampling (Leviathan et al., Chen et al.): draft ``d_j`` drawn from
@@ -470,7 +471,10 @@ class ModelRunner:
         rejected position draws from ``max(0, p_j - q_j)`` normalised; when every
         draft is kept, the target's own draw at the last position (``ids[-1]``)
         follows. ``processed``: the target's processed logits at the request's
-        positions. Returns (accepted, emitted ids, their log-probabilities under p)."""
+        positions, ``rows`` its sampling rows there. A seeded request's test at a
+        position and its residual draw come from generators keyed by that position
+        (``Sampler.generator``), so they do not depend on how many drafts the step
+        verified. Returns (accepted, emitted ids, their log-probabilities under p)."""
         drafts = request.draft_token_ids
         k = len(drafts)
         logp = torch.log_softmax(processed.float(), dim=-1)
@@ -479,8 +483,11 @@ class ModelRunner:
         index = torch.arange(k, device=p.device)
         draft_ids = torch.tensor(drafts, dtype=torch.int64, device=p.device)
         p_d, q_d = p[index, draft_ids], q[index, draft_ids]
-        generator = self.sampler.generator(row, p.device)
-        uniform = torch.rand(k, generator=generator, device=p.device)
+        if rows[0].params.seed is not None:
+            uniform = torch.cat([torch.rand(1, generator=self.sampler.generator(rows[j], p.device, stream=1),
+                                            device=p.device) for j in range(k)])
+        else:
+            uniform = torch.rand(k, generator=self.sampler.generator(rows[0], p.device), device=p.device)
         keep = (uniform * q_d <= p_d).tolist()  # u < p/q, without dividing by a zero q
         accepted = next((j for j, kept in enumerate(keep) if not kept), k)
         if accepted == k:
@@ -489,7 +496,8 @@ class ModelRunner:
         total = residual.sum()
         if not total > 0:  # p <= q everywhere only when p == q: then nothing is rejected; guard rounding
             residual, total = p[accepted], p[accepted].sum()
-        token = int(torch.multinomial(residual / total, 1, generator=generator))
+        token = int(torch.multinomial(residual / total, 1,
+                                      generator=self.sampler.generator(rows[accepted], p.device, stream=2)))
         emitted = list(drafts[:accepted]) + [token]
         return accepted, emitted, logp[torch.arange(accepted + 1, device=p.device),
                                        torch.tensor(emitted, device=p.device)].tolist()

@@ -49,9 +49,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateful only in the per-request generators (a seeded request keeps its own
-    stream, so a seed gives the same tokens whatever else shares the batch) and in
-    the pipeline's processors. Not thread-safe except :meth:`validate`."""
+    """Stateful only in the per-request generators and in the pipeline's processors.
+    Not thread-safe except :meth:`validate`.
+
+    A seeded request's draws for its ``i``-th output token come from a generator
+    seeded with ``(seed, i)`` (:func:`position_seed`), not from one stream run
+    through: its tokens then depend neither on its batch mates nor on how its steps
+    fell — a recomputation after preemption, a prefix-cache hit, or how many draft
+    tokens a step verified. A deterministic speculator (n-gram, argmax heads) thus
+    leaves a seeded request's sampled tokens exactly as they are without it."""
 
     def __init__(
         self, vocab_size: int | None = None, seed: int | None = None,
@@ -191,11 +197,13 @@ class Sampler:
             noise[j].exponential_(generator=self._request_generator(rows[j], device))
         return noise.clamp_min_(_MIN_NOISE)
 
-    def generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
-        """The generator ``row``'s draws come from: its request's own when seeded, else
-        the shared one (speculative decoding's acceptance tests draw from it too)."""
+    def generator(self, row: SamplingRow, device: torch.device, stream: int = 0) -> torch.Generator:
+        """The generator ``row``'s draws come from: when seeded, its request's own,
+        seeded for ``row``'s output position (``stream`` tells apart draws of other
+        kinds made there: speculative decoding's acceptance tests use 1), else the
+        shared one."""
         if row.params.seed is not None:
-            return self._request_generator(row, device)
+            return self._request_generator(row, device, stream)
         return self._shared_generator(device)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -209,13 +217,26 @@ class Sampler:
             self._shared[device] = gen
         return gen
 
-    def _request_generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+    def _request_generator(self, row: SamplingRow, device: torch.device, stream: int = 0) -> torch.Generator:
         gen = self._generators.get(row.request_id)
-        if gen is None:
+        if gen is None or gen.device != torch.device(device):
             gen = torch.Generator(device=device)
-            gen.manual_seed(row.params.seed)
             self._generators[row.request_id] = gen
+        gen.manual_seed(position_seed(row.params.seed, row.num_output_tokens, stream))
         return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int, stream: int = 0) -> int:
+    """The seed of a seeded request's draws for its output token ``position``:
+    splitmix64 over (seed, position, stream), so that neighbouring seeds and
+    positions give unrelated streams. Non-negative, under 2**63."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream * 0x8CB92BA72F3D8DD7) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
 def _check_ids(ids, vocab_size: int, what: str) -> None:

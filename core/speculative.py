@@ -158,8 +158,10 @@ class SpecRequest:
     # the target model's hidden state at the request's last token, (hidden,), when
     # the speculator asks for it (uses_hidden_states) and it is known, else None
     hidden: torch.Tensor | None = None
-    # the request's seed: a speculator that samples draws its drafts from a generator
-    # of its own seeded with it, so that seeded requests stay reproducible
+    # the request's seed: a speculator that samples draws the draft for output token
+    # i from a generator of its own seeded with ember.sampler.position_seed(seed, i,
+    # stream) (a stream number of its own, 3 and up), so that seeded requests stay
+    # reproducible whatever else shares their steps
     seed: int | None = None
 
     @property

@@ -9,6 +9,8 @@ sampler's own tests (mixed batches, skipped operations, generators)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers.generation import logits_process as hf
@@ -418,8 +420,8 @@ def test_seeded_samples_follow_the_processed_distribution():
     num_kept = int((probs > 0).sum())
     assert 3 <= num_kept <= 10  # the truncations cut something, several tokens remain
     counts = torch.zeros(16)
-    for _ in range(num_draws):
-        out = sampler(logits.clone(), [row])
+    for i in range(num_draws):  # a seed's draws at one position are fixed (position_seed): vary the seed
+        out = sampler(logits.clone(), [SamplingRow("chi", replace(params, seed=1234 + i), [0, 3, 5], [], EOS)])
         counts[out.token_ids[0]] += 1
     assert torch.equal(out.processed[0].softmax(-1), probs)
     assert counts[probs == 0].sum() == 0, "a truncated token was sampled"

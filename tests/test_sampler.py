@@ -19,7 +19,7 @@ from ember import sampler as sampler_module
 from ember.logits_processor import LogitsPipeline
 from ember.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugins.logits.typical import TypicalP
-from ember.sampler import Sampler
+from ember.sampler import Sampler, position_seed
 
 VOCAB = 64
 EOS = (1,)
@@ -110,8 +110,8 @@ def test_mixed_batch_equals_the_per_row_reference(device, seed):
         assert out.logprobs[i] == pytest.approx(float(log_p), abs=1e-5)
         if row.params.is_greedy:
             assert out.token_ids[i] == int(theirs.argmax()), i
-        elif row.params.seed is not None:  # its own generator, seeded by the request
-            gen = torch.Generator(device=device).manual_seed(row.params.seed)
+        elif row.params.seed is not None:  # its own generator, seeded by the request and the position
+            gen = torch.Generator(device=device).manual_seed(position_seed(row.params.seed, row.num_output_tokens))
             assert out.token_ids[i] == exponential_race(out.processed[i], gen), i
     # the rows without a control are untouched by their mates'
     assert torch.equal(out.processed[0], logits[0]) and torch.equal(out.processed[5], logits[5])

@@ -120,6 +120,23 @@ def test_greedy_outputs_with_ngram_equal_those_without(kind, schedule, tmp_path,
     assert kv.num_free_blocks == kv.num_blocks  # rejected positions held no block
 
 
+def test_seeded_sampled_tokens_with_ngram_equal_those_without(tiny_llama_dir, batch_invariant):
+    """A seeded request's draws for output token i are keyed by (seed, i): verifying
+    a deterministic draft draws the target's token there exactly as a plain decode
+    does, so n-gram speculation leaves seeded sampled outputs as they are, whatever
+    the steps' shapes (chunked prefill, preemption, prefix hits)."""
+    engine_args = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16,
+                       enable_prefix_caching=True, max_model_len=256)
+    params = [SamplingParams(temperature=t, top_p=0.95, seed=s, max_tokens=40, ignore_eos=True)
+              for s, t in zip(range(5), (1.0, 0.3, 0.2, 0.1, 0.2))]
+    prompts = REPEATING + [REPEATING[0][:20]]
+    expected = _outputs(LLM(str(tiny_llama_dir), **engine_args), prompts, params)
+    spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **engine_args)
+    assert _outputs(spec, prompts, params) == expected
+    stats = spec.engine.core.speculator.stats
+    assert stats.num_accepted_tokens > 0, stats
+
+
 # -- the distribution under sampling --------------------------------------------------------------
 
 class SampledDrafts(BaseSpeculator):

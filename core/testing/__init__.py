@@ -6,6 +6,7 @@
     check_grammar_backend(MyGrammarBackend)
     check_tool_parser(MyToolParser)
     check_quantizer(MyQuantizer(config), tensors_of_one_linear, backend=MyBackend())
+    check_speculator(MySpeculator, tmp_path)
 """
 
 from ember.testing.backend_conformance import (
@@ -16,10 +17,11 @@ from ember.testing.logits_processor_conformance import check_logits_processor
 from ember.testing.quantizer_conformance import (
     check_quantized_linear_op, check_quantized_weight, check_quantizer,
 )
+from ember.testing.speculator_conformance import check_speculator
 from ember.testing.tool_parser_conformance import check_tool_parser
 
 __all__ = [
     "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_grammar_backend",
     "check_graph_attention", "check_logits_processor", "check_quantized_linear_op", "check_quantized_weight",
-    "check_quantizer", "check_tool_parser",
+    "check_quantizer", "check_speculator", "check_tool_parser",
 ]

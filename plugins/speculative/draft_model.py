@@ -25,6 +25,7 @@ import torch
 from ember.backend import AttentionBatch, SequenceSlice
 from ember.model_loader import load_hf_config, load_model
 from ember.plugin import hookimpl
+from ember.sampler import position_seed
 from ember.speculative import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 from ember.tokenizer import load_tokenizer
 from ember.weights import resolve_model
@@ -112,7 +113,11 @@ class DraftModelSpeculator(BaseSpeculator):
             state.fed.extend(tokens)
         return self.model.compute_logits(hidden[last]).float()
 
-    def _choose(self, logits: torch.Tensor, request: SpecRequest, state: _State) -> tuple[int, torch.Tensor | None]:
+    def _choose(self, logits: torch.Tensor, request: SpecRequest, state: _State,
+                position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft for the request's output token ``position``: the argmax when
+        greedy, else a draw from ``q``, from a generator keyed by (seed, position)
+        when seeded, as the target's sampler keys its own."""
         if request.temperature == 0:
             return int(logits.argmax()), None
         q = torch.softmax(logits / request.temperature, dim=-1)
@@ -120,7 +125,7 @@ class DraftModelSpeculator(BaseSpeculator):
         if request.seed is not None:
             if state.generator is None:
                 state.generator = torch.Generator(device=self.device)
-                state.generator.manual_seed(request.seed)
+            state.generator.manual_seed(position_seed(request.seed, position, stream=3))
             generator = state.generator
         return int(torch.multinomial(q, 1, generator=generator)), q
 
@@ -155,7 +160,8 @@ class DraftModelSpeculator(BaseSpeculator):
             while True:
                 for row, slot in enumerate(live):
                     index, request, state = active[slot]
-                    token, q = self._choose(logits[row], request, state)
+                    token, q = self._choose(logits[row], request, state,
+                                            len(request.output_token_ids) + len(drafts[index]))
                     drafts[index].append(token)
                     probs[index].append(q)
                 live = [slot for slot in live if len(drafts[active[slot][0]]) < active[slot][1].max_drafts]
