@@ -21,6 +21,18 @@ _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 _INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 INNER_K_TILES = 2
+ALIGN = 64
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when its data does not start on a 64-byte boundary.
+
+    ``_weight_int8pack_mm`` (PyTorch 2.13, AVX-512 path) reads its activations and
+    weight with aligned vector loads: an operand at an address that is not a multiple
+    of 64 bytes (a small tensor in a safetensors file's mapping, a view into a larger
+    buffer) crashes the process with SIGSEGV. PyTorch's CPU allocator aligns to 64
+    bytes, so a copy is aligned."""
+    return t if t.data_ptr() % ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def int8_available() -> bool:
@@ -35,7 +47,7 @@ def _flat(x: torch.Tensor, weight) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1])
     if weight.perm is not None:
         x = x.index_select(1, weight.perm)
-    return x.to(ACT_DTYPE).contiguous()
+    return aligned(x.to(ACT_DTYPE).contiguous())
 
 
 def _unpermute(stored: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
@@ -57,8 +69,9 @@ class CPUInt8Weight(QuantizedWeight):
         super().__init__(weight.shape)
         groups = weight.scales.shape[1]
         q = weight.qweight
-        self.blocks = [q] if groups == 1 else [b.contiguous() for b in q.view(q.shape[0], groups, -1).unbind(1)]
-        self.scales = weight.scales.t().to(ACT_DTYPE).contiguous()
+        blocks = [q] if groups == 1 else q.view(q.shape[0], groups, -1).unbind(1)
+        self.blocks = [aligned(b.contiguous()) for b in blocks]
+        self.scales = aligned(weight.scales.t().to(ACT_DTYPE).contiguous())
         self.offsets = weight.offsets.t().to(ACT_DTYPE).contiguous() if weight.offsets is not None else None
         self.perm = weight.perm
 

@@ -216,6 +216,40 @@ def test_parts_that_cannot_join_run_one_by_one():
     assert (linear(x) - want).abs().max() <= 2**-7 * want.abs().max()
 
 
+_MISALIGNED = """
+import torch
+from ember.hardware.cpu import CPUBackend
+from ember.plugins.quantizers.weight_only import quantize_int8
+from ember.quantized_weights import Int8Weight
+
+torch.manual_seed(0)
+w = quantize_int8(torch.randn(64, 64))
+buf = torch.empty(64 * 64 + 64, dtype=torch.int8)
+off = buf[40:40 + 64 * 64].view(64, 64).copy_(w.qweight)  # 40 bytes past a boundary
+assert off.data_ptr() % 64 != 0
+op = CPUBackend().quantized_linear_op("int8", torch.bfloat16)
+misaligned, reference = op.prepare(Int8Weight(off, w.scales)), op.prepare(w)
+for rows in (1, 57):
+    big = torch.randn(rows * 64 + 8, dtype=torch.bfloat16)
+    x = big[4:4 + rows * 64].view(rows, 64)  # 8 bytes past a boundary
+    got, want = op(x, misaligned), op(x.clone(), reference)
+    assert torch.equal(got, want), (got - want).abs().max()
+print("ok")
+"""
+
+
+def test_int8_op_takes_operands_off_a_64_byte_boundary():
+    """_weight_int8pack_mm's AVX-512 path crashed the process (SIGSEGV) on a weight read
+    from a safetensors file at an unaligned address, and on activations that are a view
+    into a larger buffer; the op copies such operands. Run in a child process, so a
+    crash fails this test instead of ending the suite."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _MISALIGNED], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
 def test_cli_flags_reach_the_engine_config():
     from ember.api.cli import build_parser
     from ember.api.settings import ServerSettings, engine_config_kwargs
