@@ -224,6 +224,37 @@ def test_the_outlines_matcher_walks_with_the_guide_only(byte_context):
     assert matcher.accept_tokens([c, a]) == 1 and matcher.is_finished
 
 
+def _accepts_whole(backend, constraint: Constraint, text: str, context) -> bool:
+    """Whether ``text`` followed by EOS is a complete output of ``constraint``."""
+    matcher = backend(context).compile(constraint).create_matcher()
+    tokens = context.tokenizer.encode(text, add_special_tokens=False) + [context.eos_token_ids[0]]
+    return matcher.accept_tokens(tokens) == len(tokens)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-01-31", "1999-12-30", "2023-02-28"],
+     ["2023-02-31", "2023-04-31", "20230-01-01", "2023-1-01", "2023-00-10"]),
+    ("time", ["23:59:59Z", "08:30:00.123456789+02:00", "00:00:00-11:30"],
+     ["24:00:00Z", "08:30:00", "08:30:00.1234567890Z", "08:30Z"]),
+    ("date-time", ["2023-07-01T13:21:23Z", "2023-07-01T13:21:23.5+05:30"],
+     ["20230701132123300252-07-01T13:21:23Z", "2023-07-01T13:21:23", "2023-02-30T00:00:00Z",
+      "2023-07-01 13:21:23Z"]),
+])
+def test_dates_and_times_follow_rfc_3339_on_both_backends(byte_context, name, fmt, good, bad):
+    """outlines-core's own date-time admits a year of any length (SmolLM2 sampled digits
+    there until max_tokens) and its date 31 February; both backends compile these
+    formats as RFC 3339 patterns with real days and a bounded fraction."""
+    constraint = Constraint.json_schema({"type": "object", "properties": {"at": {"type": "string", "format": fmt}},
+                                         "required": ["at"]})
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for text in good:
+        assert _accepts_whole(BACKENDS[name], constraint, json.dumps({"at": text}), byte_context), text
+        assert checker.conforms(text, fmt) or fmt != "date", text
+    for text in bad:
+        assert not _accepts_whole(BACKENDS[name], constraint, json.dumps({"at": text}), byte_context), text
+
+
 # -- the engine ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):

@@ -246,7 +246,7 @@ def test_int8_op_takes_operands_off_a_64_byte_boundary():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _MISALIGNED], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", _MISALIGNED], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
 
 

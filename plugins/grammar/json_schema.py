@@ -59,6 +59,28 @@ def lengths_alone(node: dict[str, Any], where: str, backend: str) -> None:
             raise UnsupportedFeatureError(backend, f"{lengths[0]!r} together with {other!r} (at {where})")
 
 
+# JSON Schema's date, time and date-time formats (RFC 3339) as patterns, for backends
+# whose own format grammars are loose: outlines-core's date-time admits a year of any
+# length (SmolLM2 sampled digits there until max_tokens) and its date 31 February;
+# xgrammar's date-time and time any number of fraction digits. Days are those every
+# year has (29 February left out), so every date admitted is real; at most 9 fraction
+# digits; the time zone is required, as RFC 3339 requires it. [0-9], not \d: a
+# backend's \d may be Unicode's.
+_DATE = r"[0-9]{4}-((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
+
+def formats_as_patterns(node: dict[str, Any]) -> dict[str, Any]:
+    """A ``{"type": "string"}`` node's ``format`` date, time or date-time (without a
+    ``pattern`` of its own) as its pattern from `FORMAT_PATTERNS`; for `rewrite_schema`."""
+    fmt = node.get("format")
+    if node.get("type") == "string" and fmt in FORMAT_PATTERNS and "pattern" not in node:
+        del node["format"]
+        node["pattern"] = FORMAT_PATTERNS[fmt]
+    return node
+
+
 def rewrite_schema(node: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
     """A copy of the schema ``node`` with ``fn`` applied to every subschema, innermost first."""
     if not isinstance(node, dict):

@@ -14,6 +14,8 @@ grammars. In schemas it enforces the keywords in `KEYWORDS` and the formats in
 and read ``oneOf`` as ``anyOf``, and of competing keywords in one node it keeps one
 (``json_schema.exclusive_keywords``, ``lengths_alone``). Objects hold only the properties the schema lists
 (``additionalProperties`` other than a schema adds none), in the schema's order.
+Dates and times follow RFC 3339 (``json_schema.FORMAT_PATTERNS``), not outlines-core's
+looser grammars.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from ember.grammar import (
     GrammarError, UnsupportedFeatureError, allows_only, choice_regex, set_tokens,
 )
 from ember.plugin import Registry, hookimpl
-from ember.plugins.grammar.json_schema import check_schema, exclusive_keywords, lengths_alone
+from ember.plugins.grammar.json_schema import (
+    check_schema, exclusive_keywords, formats_as_patterns, lengths_alone, rewrite_schema,
+)
 
 KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
@@ -146,6 +150,7 @@ class OutlinesBackend(BaseGrammarBackend):
             return choice_regex(constraint.value)
         schema = constraint.schema
         check_schema(schema, self.name, KEYWORDS, FORMATS, (exclusive_keywords, lengths_alone))
+        schema = rewrite_schema(schema, formats_as_patterns)
         try:
             return build_regex_from_schema(json.dumps(schema))
         except ValueError as exc:

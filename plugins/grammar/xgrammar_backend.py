@@ -27,7 +27,9 @@ from ember.grammar import (
     GrammarError, UnsupportedFeatureError, allows_only, choice_regex, set_tokens,
 )
 from ember.plugin import Registry, hookimpl
-from ember.plugins.grammar.json_schema import check_schema, exclusive_keywords, lengths_alone, rewrite_schema
+from ember.plugins.grammar.json_schema import (
+    check_schema, exclusive_keywords, formats_as_patterns, lengths_alone, rewrite_schema,
+)
 
 KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
@@ -54,23 +56,6 @@ def _bounded_string_pattern(node: dict[str, Any]) -> dict[str, Any]:
     low, high = node.pop("minLength", 0), node.pop("maxLength", "")
     # (\x01: xgrammar refuses a NUL in a regex, and never matches one)
     node["pattern"] = rf'^[^"\\\x01-\x1f]{{{low},{high}}}$'
-    return node
-
-
-# RFC 3339 date-time with at most 9 fraction digits: xgrammar's own allows any number,
-# and a small model can loop there until max_tokens. Days are those every year has
-# (no 29 February), so every date it admits is valid.
-_DATE = r"\d{4}-((0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
-DATE_TIME_PATTERN = (
-    rf"^{_DATE}T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{{1,9}})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)$"
-)
-
-
-def _bounded_date_time(node: dict[str, Any]) -> dict[str, Any]:
-    """``format: date-time`` as `DATE_TIME_PATTERN`."""
-    if node.get("type") == "string" and node.get("format") == "date-time" and "pattern" not in node:
-        del node["format"]
-        node["pattern"] = DATE_TIME_PATTERN
     return node
 
 
@@ -146,7 +131,7 @@ class XGrammarBackend(BaseGrammarBackend):
         if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
             schema = constraint.schema
             check_schema(schema, self.name, KEYWORDS, FORMATS, (exclusive_keywords, lengths_alone, _integer_multiple_of))
-            schema = rewrite_schema(rewrite_schema(schema, _bounded_string_pattern), _bounded_date_time)
+            schema = rewrite_schema(rewrite_schema(schema, _bounded_string_pattern), formats_as_patterns)
         try:
             if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
                 compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
