@@ -124,6 +124,23 @@ def test_kernel_matches_dequantized_linear(kernels, isa, name):
         assert ((y - reference).abs() <= act_err + float_err).all()
 
 
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("name", cpu_quant.KERNEL_TYPES)
+def test_each_row_of_a_product_is_the_one_row_product_bit_for_bit(kernels, isa, name):
+    """The 32-block types multiply several rows per unpacked weight block (a
+    verification's k + 1 rows); every row's numbers must be those it gets alone, so a
+    request's output does not depend on what shares its step. 96 columns: an odd number
+    of blocks (the tail block's accumulator)."""
+    in_features = 96 if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 512
+    data = torch.from_numpy(random_blocks(name, 9, in_features, seed=5))
+    x = torch.randn(cpu_quant.MAX_KERNEL_ROWS, in_features, generator=torch.Generator().manual_seed(5)) * 2
+    bias = torch.randn(9)
+    alone = torch.cat([kernels.linear(x[i:i + 1], data, name, bias, isa=isa) for i in range(len(x))])
+    for rows in range(2, cpu_quant.MAX_KERNEL_ROWS + 1):
+        together = kernels.linear(x[:rows], data, name, bias, isa=isa)
+        assert torch.equal(together.view(torch.int32), alone[:rows].view(torch.int32)), (rows, isa, name)
+
+
 @pytest.mark.parametrize("name", cpu_quant.KERNEL_TYPES)
 def test_native_dequantize_and_many_rows_equal_the_float_linear(kernels, name):
     data = torch.from_numpy(random_blocks(name, 40, 512, seed=3))

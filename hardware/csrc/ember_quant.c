@@ -295,6 +295,10 @@ static float dot_ref(int type, const uint8_t *w, const int8_t *q, const float *d
 
 /* w row, activation q, its block scales dx, half-block sums s, fs = dx * (s0 + s1) per block, K */
 typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, const float *, int64_t);
+/* one weight row against R <= ROWS activation rows (q, dx, fs of row r at r K, r K/32,
+ * r K/32): R dot products into out, each the number dot_fn gives for that row alone */
+#define ROWS 4
+typedef void (*rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *);
 
 INLINE float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -354,6 +358,12 @@ static dot_fn simd_dot(int isa, int type) {
     return 0;
 }
 
+static rows_fn simd_rows(int isa, int type) {
+    if (isa == ISA_AVX2) return rows_for_type_avx2(type);
+    if (isa == ISA_AVX512VNNI) return rows_for_type_avx512vnni(type);
+    return 0;
+}
+
 /* 1 where this library has a kernel for (isa, type); whether the CPU can run it is the caller's question */
 int ember_quant_has_kernel(int isa, int type) {
     if (!block_bytes(type)) return 0;
@@ -366,6 +376,7 @@ int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K
     if (!bb || K % bv || !ember_quant_has_kernel(isa, type)) return -1;
     int64_t row_bytes = K / bv * bb, nb = K / 32;
     dot_fn fn = simd_dot(isa, type);
+    rows_fn rows = simd_rows(isa, type);
     /* each block's offset term needs dx * sum(q): once per activation block, not per weight row */
     float *fs = malloc((size_t)(M * nb) * sizeof(float));
     if (!fs) return -2;
@@ -374,6 +385,15 @@ int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
         float b = bias ? bias[n] : 0.0f;
+        if (rows && M > 1) {
+            float t[ROWS];
+            for (int64_t m = 0; m < M; m += ROWS) {
+                int64_t R = M - m < ROWS ? M - m : ROWS;
+                rows(row, q + m * K, dx + m * nb, fs + m * nb, K, R, t);
+                for (int64_t r = 0; r < R; r++) y[(m + r) * N + n] = t[r] + b;
+            }
+            continue;
+        }
         for (int64_t m = 0; m < M; m++) {
             const int8_t *qm = q + m * K;
             const float *dm = dx + m * nb;
@@ -491,6 +511,68 @@ TARGET static float SFX(dot_q5_1)(const uint8_t *w, const int8_t *q, const float
                                   const float *fs, int64_t K) {
     (void)s;
     return SFX(dot_32)(T_Q5_1, w, q, dx, fs, K);
+}
+
+/* The 32-block types against several activation rows: each weight block is unpacked
+ * once and multiplied with every row's block (a speculative verification's k + 1 rows, a
+ * small batch), where dot_32 / dot_q8_0 unpack it once per row. Sums run in dot_32's
+ * order (even blocks, odd blocks, then the two), so every row's result is bit for bit
+ * the one-row kernel's: a request's numbers do not depend on what shares its step. */
+TARGET INLINE void SFX(rows_32)(int type, const uint8_t *w, const int8_t *q, const float *dx, const float *fs,
+                                int64_t K, int64_t R, float *out) {
+    const int q8 = type == T_Q8_0, has_min = type == T_Q4_1 || type == T_Q5_1;
+    const int five = type == T_Q5_0 || type == T_Q5_1;
+    const int64_t bb = block_bytes(type), nb = K / 32;
+    __m256 acc[2][ROWS];
+    float off[2][ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+        off[0][r] = off[1][r] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        const int k = (int)(b & 1); /* dot_32's accumulator of block b: odd ones, even ones (the tail too) */
+        __m256i u, wq = _mm256_setzero_si256();
+        float d = SFX(h2f)(w), c = 0.0f;
+        if (q8) {
+            wq = _mm256_loadu_si256((const __m256i *)(w + 2));
+            u = _mm256_sign_epi8(wq, wq);
+        } else {
+            u = SFX(nibbles16)(w + 2 + 2 * has_min + 4 * five);
+            if (five) u = _mm256_or_si256(u, SFX(bits32)(w + 2 + 2 * has_min));
+            c = has_min ? SFX(h2f)(w + 2) : (five ? -16.0f : -8.0f) * d;
+        }
+        for (int64_t r = 0; r < R; r++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)(q + r * K + 32 * b));
+            if (q8) xq = _mm256_sign_epi8(xq, wq);
+            acc[k][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r * nb + b]), _mm256_cvtepi32_ps(DOT32(u, xq)), acc[k][r]);
+            if (!q8) off[k][r] += c * fs[r * nb + b];
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float v = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
+        out[r] = q8 ? v : v + off[0][r] + off[1][r];
+    }
+}
+
+#define ROWS_WRAPPER(name, T) \
+    TARGET static void SFX(name)(const uint8_t *w, const int8_t *q, const float *dx, const float *fs, int64_t K, \
+                                 int64_t R, float *out) { SFX(rows_32)(T, w, q, dx, fs, K, R, out); }
+ROWS_WRAPPER(rows_q4_0, T_Q4_0)
+ROWS_WRAPPER(rows_q4_1, T_Q4_1)
+ROWS_WRAPPER(rows_q5_0, T_Q5_0)
+ROWS_WRAPPER(rows_q5_1, T_Q5_1)
+ROWS_WRAPPER(rows_q8_0, T_Q8_0)
+#undef ROWS_WRAPPER
+
+static rows_fn SFX(rows_for_type)(int type) {
+    switch (type) {
+    case T_Q8_0: return SFX(rows_q8_0);
+    case T_Q4_0: return SFX(rows_q4_0);
+    case T_Q4_1: return SFX(rows_q4_1);
+    case T_Q5_0: return SFX(rows_q5_0);
+    case T_Q5_1: return SFX(rows_q5_1);
+    default: return 0;
+    }
 }
 
 /* Q4_K, Q5_K: 256-blocks of 8 sub-blocks of 32, w = d sc_j u - dmin mn_j */
