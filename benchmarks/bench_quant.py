@@ -4,6 +4,8 @@ Arms, each in its own subprocess (peak RSS is the child's own ru_maxrss):
 
 * ``ember_q4_1``: the default model's GGUF served natively (Q4_1 layers, Q8_0 LM head,
   ``resolve_model(None, gguf_native=True)``);
+* ``ember_q4_1_one_row``: the same with ``EMBER_GGUF_X8=0`` (the one-row kernels, the
+  weights as read: the baseline of the x8 layout);
 * ``ember_bf16``: its float conversion loaded as bfloat16 (Ember's bf16 model; on a
   CPU without AVX512-BF16/AMX that is the fp32 compute path with bf16 weight copies);
 * ``transformers_bf16``: transformers ``generate`` on the float conversion in bfloat16;
@@ -36,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 LLAMA_CPP_VERSION = "0.3.36"
-ARMS = ("ember_q4_1", "ember_bf16", "transformers_bf16", "llama_cpp")
+ARMS = ("ember_q4_1", "ember_q4_1_one_row", "ember_bf16", "transformers_bf16", "llama_cpp")
 
 
 def llama_cpp_venv_dir() -> Path:
@@ -256,6 +258,9 @@ def main() -> None:
         if "ember_q4_1" not in args.skip:
             arms["ember_q4_1"] = run_arm("ember_q4_1", {**common, "model": native_dir, "offline": True,
                                                         "profile": args.profile}, work)
+        if "ember_q4_1_one_row" not in args.skip:
+            arms["ember_q4_1_one_row"] = run_arm("ember_q4_1_one_row", {
+                **common, "model": native_dir, "offline": True, "env": {"EMBER_GGUF_X8": "0"}}, work)
         if "ember_bf16" not in args.skip:
             arms["ember_bf16"] = run_arm("ember_bf16", {**common, "model": float_dir, "dtype": "bfloat16",
                                                         "offline": True}, work)
@@ -295,6 +300,8 @@ def main() -> None:
         "q4_1_decode_over_llama_cpp": ("ember_q4_1", "llama_cpp", "decode", 1.0),
         "q4_1_offline_over_bf16_offline": ("ember_q4_1", "ember_bf16", "offline", 1.0),
         "q4_1_decode_over_bf16_decode": ("ember_q4_1", "ember_bf16", "decode", None),
+        "x8_decode_over_one_row_decode": ("ember_q4_1", "ember_q4_1_one_row", "decode", None),
+        "x8_offline_over_one_row_offline": ("ember_q4_1", "ember_q4_1_one_row", "offline", None),
     }.items():
         if rate(a, kind) and rate(b, kind):
             ratios[key] = rate(a, kind) / rate(b, kind)

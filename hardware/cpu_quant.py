@@ -37,7 +37,7 @@ import torch
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_paths import cpu_flags
 from ember.hardware.trusted_library import UntrustedKernelError, load_checked
-from ember.quantization import QuantizedLinearOp
+from ember.quantization import QuantizedLinearOp, QuantizedWeight
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ ISA_CPU_FLAGS = {
     "ref": ("avx2", "fma", "f16c"),
 }
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# types the op repacks 8 rows at a time (ember_quant_repack_x8) where the rows allow;
+# EMBER_GGUF_X8=0 keeps every weight as read (the one-row-at-a-time kernels)
+X8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
@@ -95,6 +98,9 @@ class QuantKernels:
         self._linear_f32 = _fn(lib, "ember_quant_linear_f32", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
         self._dequant = _fn(lib, "ember_quant_dequant", [ci, vp, i64, i64, vp, ci], ci)
         self._has_kernel = _fn(lib, "ember_quant_has_kernel", [ci, ci], ci)
+        self._repack_x8 = _fn(lib, "ember_quant_repack_x8", [ci, vp, i64, i64, vp], ci)
+        self._dequant_x8 = _fn(lib, "ember_quant_dequant_x8", [ci, vp, i64, i64, vp, ci], ci)
+        self._linear_x8 = _fn(lib, "ember_quant_linear_x8", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
 
     def has_kernel(self, type_name: str, isa: str | None = None) -> bool:
         """Whether the library has an integer kernel for ``type_name`` in ``isa``."""
@@ -170,12 +176,85 @@ class QuantKernels:
             raise RuntimeError(f"ember_quant_dequant failed ({rc}) for {type_name} ({N}, {in_features})")
         return out
 
+    def x8_layout(self, type_name: str, rows: int, isa: str | None = None) -> bool:
+        """Whether weights of ``type_name`` with ``rows`` rows run in the x8 layout under
+        ``isa``: Q4_0, Q4_1 and Q8_0, rows a multiple of 8, the avx2 or avx512vnni kernels."""
+        return type_name in X8_TYPES and rows % 8 == 0 and (isa or self.isa) in ("avx2", "avx512vnni")
+
+    def repack_x8(self, data: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+        """GGUF rows ``data`` (N, row bytes) rearranged 8 rows at a time (the C file's
+        "x8" layout): the same bytes' worth, the same numbers, one product per 8 rows."""
+        N = _check_weight(data, type_name, in_features)
+        out = torch.empty_like(data)
+        rc = self._repack_x8(quant_type(type_name).type_id, data.data_ptr(), N, in_features, out.data_ptr())
+        if rc:
+            raise ValueError(f"{type_name} ({N}, {in_features}) has no x8 layout (Q4_0, Q4_1, Q8_0; rows % 8 == 0)")
+        return out
+
+    def dequantize_x8(self, packed: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+        """float32 (N, ``in_features``) of x8-layout bytes: ``dequantize``'s numbers for the
+        rows they were repacked from."""
+        N = _check_weight(packed, type_name, in_features)
+        out = torch.empty(N, in_features, dtype=torch.float32)
+        rc = self._dequant_x8(quant_type(type_name).type_id, packed.data_ptr(), N, in_features, out.data_ptr(),
+                              torch.get_num_threads())
+        if rc:
+            raise ValueError(f"{type_name} ({N}, {in_features}) has no x8 layout")
+        return out
+
+    def linear_x8(self, x: torch.Tensor, packed: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
+                  isa: str | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` for W in the x8 layout, any number of rows, float32 (M, N)."""
+        x = _rows(x)
+        M, K = x.shape
+        N = _check_weight(packed, type_name, K)
+        y = torch.empty(M, N, dtype=torch.float32)
+        rc = self._linear_x8(ISA_IDS[isa or self.isa], quant_type(type_name).type_id, packed.data_ptr(), N, K,
+                             x.data_ptr(), M, bias.contiguous().data_ptr() if bias is not None else None,
+                             y.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"no x8 kernel for {type_name} ({N}, {K}) under {isa or self.isa}")
+        return y
+
+
+class PackedGGUFWeight(QuantizedWeight):
+    """The CPU kernels' form of a ``GGUFWeight``: ``segments`` is ``[(type name, uint8
+    (rows, row bytes), x8)]``, each Q4_0 / Q4_1 / Q8_0 segment whose rows are a multiple
+    of 8 repacked into the x8 layout (``x8`` True: the same size, 8 rows per product),
+    the others as read. ``dequantize`` gives the same numbers as the weight it came from."""
+
+    format = "gguf"
+
+    def __init__(self, weight, kernels: QuantKernels) -> None:
+        super().__init__(weight.shape)
+        K = weight.shape[1]
+        self.kernels = kernels
+        self.segments = []
+        for type_name, data in weight.segments:
+            x8 = kernels.x8_layout(type_name, data.shape[0])
+            self.segments.append((type_name, kernels.repack_x8(data, type_name, K) if x8 else data, x8))
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(t for t, _, _ in self.segments)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{t.lower()}_{i}{'_x8' if x8 else ''}": d for i, (t, d, x8) in enumerate(self.segments)}
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        K = self.shape[1]
+        return torch.cat([
+            self.kernels.dequantize_x8(d, t, K) if x8 else quant_type(t).dequantize(d) for t, d, x8 in self.segments
+        ]).to(dtype)
+
 
 class GGUFLinearOp(QuantizedLinearOp):
     """The CPU backend's product for ``"gguf"`` weights (``ember.plugins.quantizers.gguf.
     GGUFWeight``): float32 activations (bfloat16 ones are widened, and the result rounded
     back) through ``QuantKernels``; without the native library, the dequantized weight
-    through PyTorch. Each segment of a joined weight is one kernel call.
+    through PyTorch. Each segment of a joined weight is one kernel call. ``prepare``
+    repacks Q4_0 / Q4_1 / Q8_0 segments into the x8 layout (``PackedGGUFWeight``) unless
+    ``EMBER_GGUF_X8=0`` or the ISA is ``ref``.
 
     Per call it does little in Python: a decode step of SmolLM2 makes 211 of these
     products, so the checks of ``QuantKernels.linear`` run once, in ``prepare``."""
@@ -190,17 +269,27 @@ class GGUFLinearOp(QuantizedLinearOp):
     def __init__(self) -> None:
         self.kernels = load()
         self._scratch = torch.empty(0)
+        self.x8 = self.kernels is not None and os.environ.get("EMBER_GGUF_X8", "1") != "0"
         if self.kernels is not None:
             self._linear_f32 = self.kernels._linear_f32
+            self._linear_x8 = self.kernels._linear_x8
             self._isa = ISA_IDS[self.kernels.isa]
 
     def prepare(self, weight):
-        for type_name, data in weight.segments:
-            _check_weight(data, type_name, weight.shape[1])
+        if isinstance(weight, PackedGGUFWeight):
+            segments = weight.segments
+        else:
+            for type_name, data in weight.segments:
+                _check_weight(data, type_name, weight.shape[1])
+            if self.x8:
+                weight = PackedGGUFWeight(weight, self.kernels)
+                segments = weight.segments
+            else:
+                segments = [(t, d, False) for t, d in weight.segments]
         weight.kernel_plan = [
             (quant_type(t).type_id, d, d.shape[0], self.kernels is not None and self.kernels.has_kernel(t),
-             d.data_ptr())
-            for t, d in weight.segments
+             d.data_ptr(), x8)
+            for t, d, x8 in segments
         ]
         return weight
 
@@ -227,21 +316,21 @@ class GGUFLinearOp(QuantizedLinearOp):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
     def _segment(self, x, plan, K, bias):
-        type_id, data, N, has_kernel, data_ptr = plan
+        type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
         if has_kernel and M <= MAX_KERNEL_ROWS:
             y = torch.empty(M, N, dtype=torch.float32)
-            rc = self._linear_f32(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
-                                  bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                  torch.get_num_threads())
+            call = self._linear_x8 if x8 else self._linear_f32
+            rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads())
             if rc:
-                raise RuntimeError(f"ember_quant_linear_f32 failed ({rc}) for type {type_id} ({N}, {K})")
+                raise RuntimeError(f"GGUF kernel failed ({rc}) for type {type_id} ({N}, {K}, x8={x8})")
             return y
         kernels = self.kernels
         # many rows: dequantize tiles of weight rows into a reused buffer, F.linear each
         # tile (torch.mm into slices of a transposed output ran 2x slower here), the
-        # buffer bounded for a large LM head
-        tile = max(1, min(N, TILE_VALUES // K))
+        # buffer bounded for a large LM head; x8 tiles hold whole groups of 8 rows
+        tile = max(8, min(N, TILE_VALUES // K) // 8 * 8)
         if self._scratch.numel() < tile * K:
             self._scratch = torch.empty(tile * K, dtype=torch.float32)
         type_name = _TYPE_NAMES[type_id]
@@ -250,7 +339,9 @@ class GGUFLinearOp(QuantizedLinearOp):
             rows = min(tile, N - start)
             w = self._scratch[: rows * K].view(rows, K)
             part = data[start : start + rows]
-            if has_kernel:
+            if x8:
+                kernels._dequant_x8(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
+            elif has_kernel:
                 kernels._dequant(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
             else:
                 w.copy_(quant_type(type_name).dequantize(part))

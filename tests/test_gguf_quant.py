@@ -141,6 +141,59 @@ def test_each_row_of_a_product_is_the_one_row_product_bit_for_bit(kernels, isa, 
         assert torch.equal(together.view(torch.int32), alone[:rows].view(torch.int32)), (rows, isa, name)
 
 
+X8_ISAS = [isa for isa in RUNNABLE_ISAS if isa != "ref"]
+
+
+@pytest.mark.parametrize("name", cpu_quant.X8_TYPES)
+def test_the_x8_layout_holds_the_same_numbers_and_multiplies_like_the_one_row_kernel(kernels, name):
+    """Repacked 8 rows at a time, a weight dequantizes to gguf's numbers bit for bit and
+    its product equals the one-row kernel's to float rounding (another summation order)
+    on every instruction set, for 1-13 rows; each row's result is its own whatever
+    shares the call."""
+    for seed, (out_features, in_features) in enumerate([(8, 32), (16, 96), (64, 576)]):
+        data = torch.from_numpy(random_blocks(name, out_features, in_features, seed=seed))
+        packed = kernels.repack_x8(data, name, in_features)
+        assert packed.shape == data.shape and not torch.equal(packed, data)
+        exact = gguf_quants.dequantize(data, name)
+        assert torch.equal(kernels.dequantize_x8(packed, name, in_features).view(torch.int32), exact.view(torch.int32))
+        bias = torch.randn(out_features)
+        for isa in X8_ISAS:
+            x = torch.randn(13, in_features, generator=torch.Generator().manual_seed(seed)) * 3
+            want = kernels.linear(x, data, name, bias, isa=isa, max_kernel_rows=13)
+            got = kernels.linear_x8(x, packed, name, bias, isa=isa)
+            assert ((got - want).abs() <= 1e-5 * want.abs().max()).all(), (isa, (got - want).abs().max())
+            alone = torch.cat([kernels.linear_x8(x[i:i + 1], packed, name, bias, isa=isa) for i in range(13)])
+            assert torch.equal(alone, got), isa
+    with pytest.raises(ValueError, match="no x8 layout"):
+        kernels.repack_x8(torch.from_numpy(random_blocks(name, 12, 64, seed=0)), name, 64)
+
+
+def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
+    from ember.plugins.quantizers.gguf import GGUFWeight
+
+    def weight():
+        return GGUFWeight([("Q4_1", torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))),
+                           ("Q4_K", torch.from_numpy(random_blocks("Q4_K", 8, 256, seed=2))),
+                           ("Q8_0", torch.from_numpy(random_blocks("Q8_0", 4, 256, seed=3)))], 256)
+
+    x = torch.randn(3, 256)
+    reference = torch.nn.functional.linear(x, weight().dequantize())
+    op = cpu_quant.GGUFLinearOp()
+    prepared = op.prepare(weight())
+    if kernels.isa != "ref":
+        assert isinstance(prepared, cpu_quant.PackedGGUFWeight)
+        assert [x8 for _, _, x8 in prepared.segments] == [True, False, False]  # Q4_K; Q8_0 of 4 rows
+        assert prepared.nbytes == weight().nbytes and prepared.types == ("Q4_1", "Q4_K", "Q8_0")
+    assert torch.equal(prepared.dequantize(), weight().dequantize())
+    assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
+    many = torch.randn(cpu_quant.MAX_KERNEL_ROWS + 3, 256)  # dequantized tiles, x8 ones too
+    assert torch.allclose(op(many, prepared), torch.nn.functional.linear(many, weight().dequantize()), atol=1e-4)
+
+    monkeypatch.setenv("EMBER_GGUF_X8", "0")
+    kept = cpu_quant.GGUFLinearOp().prepare(weight())
+    assert not isinstance(kept, cpu_quant.PackedGGUFWeight)
+
+
 @pytest.mark.parametrize("name", cpu_quant.KERNEL_TYPES)
 def test_native_dequantize_and_many_rows_equal_the_float_linear(kernels, name):
     data = torch.from_numpy(random_blocks(name, 40, 512, seed=3))
@@ -373,8 +426,13 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
 
     Decode steps (one row: the integer kernels, 8-bit activations): the logprob of
     each token the native run chose, against the float model's for the same token in
-    the same context (teacher-forced), is within 0.35 nat, 0.06 on average (measured on
-    this set: max 0.22, mean 0.035, p95 0.12 over 144 tokens). Greedy texts: where the
+    the same context (teacher-forced), is within 0.06 nat on average, 0.2 at the 95th
+    percentile and 0.6 at most over 144 tokens. Measured: one-row kernels max 0.22-0.24,
+    mean 0.031-0.035, p95 0.12-0.13 (AMD AVX2, Intel VNNI); the x8 kernels (Intel VNNI)
+    max 0.41, mean 0.032, p95 0.092. The maximum is one token's: 8-bit activations turn
+    a 1e-7 difference in summation order into a different rounding of some activation,
+    so which token is worst moves between kernels; the mean and p95 are the stable
+    figures, the max bound is loose on purpose. Greedy texts: where the
     two runs part, the native run took the float model's second choice at a near tie
     (under 0.35 nat); measured, 4 of these 6 conversations part (gaps 0.013 to 0.26).
     Prefill (many rows: dequantized tiles and a float GEMM) gives the float model's
@@ -409,7 +467,8 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
         start = len(o.prompt_token_ids)
         for i, (token, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
             diffs.append(abs(entry[token].logprob - ref.prompt_logprobs[start + i][token].logprob))
-    assert max(diffs) < 0.35 and np.mean(diffs) < 0.06, (max(diffs), np.mean(diffs))
+    summary = (max(diffs), np.mean(diffs), np.percentile(diffs, 95))
+    assert max(diffs) < 0.6 and np.mean(diffs) < 0.06 and np.percentile(diffs, 95) < 0.2, summary
     parted = assert_same_greedy_tokens(
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in native],
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in reference], near_tie=0.35,

@@ -300,6 +300,18 @@ typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const in
 #define ROWS 4
 typedef void (*rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *);
 
+/* ---- 8 rows interleaved (x8) ------------------------------------------------------------
+ * Q4_0, Q4_1 and Q8_0 weights whose row count is a multiple of 8 can be repacked (same
+ * size, same numbers) so that one 256-bit product covers 8 output rows: for each group of
+ * 8 rows and each block of 32 columns, the 8 rows' f16 scales d (and Q4_1's mins m), then
+ * the values in 4-column chunks, chunk j of row n in 32-bit lane n. Q4 types hold chunk i
+ * in the low nibbles and chunk i + 4 in the high nibbles of 32 bytes (i < 4); Q8_0 holds
+ * chunk j's signed bytes in 32 bytes. A broadcast of the activation's 4 bytes of chunk j
+ * against that register gives every row's partial sum at once: no horizontal sums, and
+ * each group's scales convert in one instruction. */
+static int64_t x8_head_bytes(int type) { return type == T_Q4_1 ? 32 : 16; }
+static int x8_type(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+
 INLINE float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -313,17 +325,25 @@ INLINE float hsum8(__m256 v) {
 #define SFX(name) name##_avx2
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define DOT32(u, q) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (q)), _mm256_set1_epi16(1))
+#define DOTACC(acc, u, q) _mm256_add_epi32((acc), DOT32(u, q))
+#define HAS_VNNI 0
 #include __FILE__
 #undef SFX
 #undef TARGET
 #undef DOT32
+#undef DOTACC
+#undef HAS_VNNI
 #define SFX(name) name##_avx512vnni
 #define TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define DOT32(u, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (q))
+#define DOTACC(acc, u, q) _mm256_dpbusd_epi32((acc), (u), (q))
+#define HAS_VNNI 1
 #include __FILE__
 #undef SFX
 #undef TARGET
 #undef DOT32
+#undef DOTACC
+#undef HAS_VNNI
 
 /* 32 values of a block as int32 -> float, times d (then + m): gguf's order, no FMA */
 __attribute__((target("avx2,fma,f16c"))) INLINE void store32(__m256i bytes, int is_signed, __m256 d, __m256 m,
@@ -402,6 +422,90 @@ int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K
         }
     }
     free(fs);
+    return 0;
+}
+
+/* W (N, K) GGUF rows -> the x8 layout (N * row bytes, the same size); -1 for another type or N % 8 */
+int ember_quant_repack_x8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
+    int64_t bb = block_bytes(type);
+    if (!x8_type(type) || !bb || K % 32 || N % 8) return -1;
+    int64_t nb = K / 32, row_bytes = nb * bb, head = x8_head_bytes(type), gb = 8 * bb;
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * gb;
+            for (int64_t n = 0; n < 8; n++) {
+                const uint8_t *blk = w + (g * 8 + n) * row_bytes + b * bb;
+                memcpy(o + 2 * n, blk, 2);                                  /* d */
+                if (type == T_Q4_1) memcpy(o + 16 + 2 * n, blk + 2, 2);    /* m */
+                uint8_t v[32];
+                if (type == T_Q8_0) memcpy(v, blk + 2, 32);
+                else
+                    for (int i = 0; i < 16; i++) {
+                        uint8_t byte = blk[(type == T_Q4_1 ? 4 : 2) + i];
+                        v[i] = byte & 15;
+                        v[i + 16] = byte >> 4;
+                    }
+                for (int j = 0; j < 8; j++)
+                    for (int e = 0; e < 4; e++) {
+                        uint8_t x = v[4 * j + e];
+                        if (type == T_Q8_0) o[head + 32 * j + 4 * n + e] = x;
+                        else if (j < 4) o[head + 32 * j + 4 * n + e] = x;
+                        else o[head + 32 * (j - 4) + 4 * n + e] |= (uint8_t)(x << 4);
+                    }
+            }
+        }
+    return 0;
+}
+
+/* one group-block of the x8 layout back into the 8 rows' GGUF blocks (out: 8 * block bytes) */
+static void unpack_x8_block(int type, const uint8_t *o, uint8_t *out) {
+    int64_t bb = block_bytes(type), head = x8_head_bytes(type);
+    for (int64_t n = 0; n < 8; n++) {
+        uint8_t *blk = out + n * bb;
+        memcpy(blk, o + 2 * n, 2);
+        if (type == T_Q4_1) memcpy(blk + 2, o + 16 + 2 * n, 2);
+        uint8_t v[32];
+        for (int j = 0; j < 8; j++)
+            for (int e = 0; e < 4; e++) {
+                if (type == T_Q8_0) v[4 * j + e] = o[head + 32 * j + 4 * n + e];
+                else if (j < 4) v[4 * j + e] = o[head + 32 * j + 4 * n + e] & 15;
+                else v[4 * j + e] = o[head + 32 * (j - 4) + 4 * n + e] >> 4;
+            }
+        if (type == T_Q8_0) memcpy(blk + 2, v, 32);
+        else
+            for (int i = 0; i < 16; i++) blk[(type == T_Q4_1 ? 4 : 2) + i] = (uint8_t)(v[i] | (v[i + 16] << 4));
+    }
+}
+
+/* the x8 layout -> float32 (N, K): ember_quant_dequant's numbers for the rows it came from */
+int ember_quant_dequant_x8(int type, const uint8_t *p, int64_t N, int64_t K, float *out, int nthreads) {
+    int64_t bb = block_bytes(type);
+    if (!x8_type(type) || !bb || K % 32 || N % 8) return -1;
+    int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++) {
+        uint8_t blocks[8 * 34];
+        for (int64_t b = 0; b < nb; b++) {
+            unpack_x8_block(type, p + (g * nb + b) * 8 * bb, blocks);
+            for (int64_t n = 0; n < 8; n++) dequant_block(type, blocks + n * bb, out + (g * 8 + n) * K + 32 * b);
+        }
+    }
+    return 0;
+}
+
+int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
+                          const float *bias, float *y, int nthreads) {
+    if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI)) return -1;
+    size_t nq = (size_t)(M * K);
+    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    if (!scratch) return -2;
+    int8_t *q = scratch;
+    float *dx = (float *)(q + nq);
+    int16_t *s = (int16_t *)(dx + nq / 32);
+    ember_quant_act(x, M, K, q, dx, s, nthreads);
+    if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    else linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    free(scratch);
     return 0;
 }
 
@@ -650,6 +754,74 @@ TARGET static float SFX(dot_q6_k)(const uint8_t *w, const int8_t *q, const float
         }
     }
     return hsum8(acc) + offset;
+}
+
+/* the x8 layout (see ember_quant_repack_x8) times M activation rows, ROWS at a time: y
+ * (M, N) (+ bias). Every row's numbers are its own whatever M is. Q4_0's -8 and Q8_0's
+ * +128 (VNNI: unsigned x signed) come off the integer sums exactly, via the activation's
+ * block sums; Q4_1's mins add m dx sum(q) in float. */
+TARGET static void SFX(linear_x8)(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *q,
+                                  const float *dx, const int16_t *s, int64_t M, const float *bias, float *y,
+                                  int nthreads) {
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type), head = x8_head_bytes(type);
+    const int q8 = type == T_Q8_0, has_min = type == T_Q4_1;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < N / 8; g++) {
+        const uint8_t *base = p + g * nb * gb;
+        const __m256 b8 = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int64_t R = M - m0 < ROWS ? M - m0 : ROWS;
+            __m256 acc[ROWS], off[ROWS];
+            for (int64_t r = 0; r < ROWS; r++) acc[r] = off[r] = _mm256_setzero_ps();
+            const uint8_t *o = base;
+            for (int64_t b = 0; b < nb; b++, o += gb) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+                const __m256 mn = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)))
+                                          : _mm256_setzero_ps();
+                __m256i u[8];
+                if (q8) {
+                    for (int j = 0; j < 8; j++) u[j] = _mm256_loadu_si256((const __m256i *)(o + head + 32 * j));
+                } else {
+                    for (int i = 0; i < 4; i++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * i));
+                        u[i] = _mm256_and_si256(v, m4);
+                        u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t ib = (m0 + r) * nb + b;
+                    const uint8_t *xr = (const uint8_t *)(q + (m0 + r) * K + 32 * b);
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j += 2) {
+                        int32_t c0, c1;
+                        memcpy(&c0, xr + 4 * j, 4);
+                        memcpy(&c1, xr + 4 * j + 4, 4);
+                        __m256i x0 = _mm256_set1_epi32(c0), x1 = _mm256_set1_epi32(c1), u0 = u[j], u1 = u[j + 1];
+                        if (q8 && HAS_VNNI) { /* w + 128, unsigned */
+                            u0 = _mm256_xor_si256(u0, _mm256_set1_epi8((char)0x80));
+                            u1 = _mm256_xor_si256(u1, _mm256_set1_epi8((char)0x80));
+                        } else if (q8) { /* |w| and the sign on the activation: pairs fit int16 */
+                            x0 = _mm256_sign_epi8(x0, u0);
+                            x1 = _mm256_sign_epi8(x1, u1);
+                            u0 = _mm256_sign_epi8(u0, u0);
+                            u1 = _mm256_sign_epi8(u1, u1);
+                        }
+                        s0 = DOTACC(s0, u0, x0);
+                        s1 = DOTACC(s1, u1, x1);
+                    }
+                    __m256i sum = _mm256_add_epi32(s0, s1);
+                    const int32_t qsum = (int32_t)s[2 * ib] + (int32_t)s[2 * ib + 1];
+                    if (type == T_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * qsum));
+                    else if (q8 && HAS_VNNI) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qsum));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx[ib])), acc[r]);
+                    if (has_min) off[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dx[ib] * (float)qsum), off[r]);
+                }
+            }
+            for (int64_t r = 0; r < R; r++)
+                _mm256_storeu_ps(y + (m0 + r) * N + 8 * g, _mm256_add_ps(_mm256_add_ps(acc[r], off[r]), b8));
+        }
+    }
 }
 
 static dot_fn SFX(dot_for_type)(int type) {
