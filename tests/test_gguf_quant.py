@@ -186,7 +186,10 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
         assert prepared.nbytes == weight().nbytes and prepared.types == ("Q4_1", "Q4_K", "Q8_0")
     assert torch.equal(prepared.dequantize(), weight().dequantize())
     assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
-    many = torch.randn(cpu_quant.MAX_KERNEL_ROWS + 3, 256)  # dequantized tiles, x8 ones too
+    x = torch.randn(20, 256)  # the x8 kernel beyond MAX_KERNEL_ROWS
+    reference = torch.nn.functional.linear(x, weight().dequantize())
+    assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
+    many = torch.randn(cpu_quant.MAX_X8_ROWS + 3, 256)  # dequantized tiles, x8 ones too
     assert torch.allclose(op(many, prepared), torch.nn.functional.linear(many, weight().dequantize()), atol=1e-4)
 
     monkeypatch.setenv("EMBER_GGUF_X8", "0")
@@ -413,9 +416,11 @@ SMOLLM2_CONVERSATIONS = [
     [{"role": "user", "content": "Give me a Python function that reverses a string."}],
     [{"role": "user", "content": "How many legs does a spider have?"}],
 ]
-TEACHER_TEXT = (
+TEACHER_TEXT = (  # more than MAX_X8_ROWS tokens: one prefill of exact dequantized tiles
     "The Industrial Revolution began in Great Britain in the late eighteenth century. Steam engines, "
-    "first used to pump water out of mines, were soon driving looms, mills and locomotives."
+    "first used to pump water out of mines, were soon driving looms, mills and locomotives. Cities grew "
+    "around the factories, canals and then railways carried coal and cotton across the country, and within "
+    "a few decades the new ways of working had spread to Belgium, France, Germany and the United States."
 )
 
 
@@ -435,8 +440,8 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     figures, the max bound is loose on purpose. Greedy texts: where the
     two runs part, the native run took the float model's second choice at a near tie
     (under 0.35 nat); measured, 4 of these 6 conversations part (gaps 0.013 to 0.26).
-    Prefill (many rows: dequantized tiles and a float GEMM) gives the float model's
-    logprobs to 1e-4."""
+    Prefill of more than MAX_X8_ROWS tokens (dequantized tiles and a float GEMM) gives
+    the float model's logprobs to 1e-4."""
     from ember import LLM, SamplingParams
     from ember.weights import convert_gguf_to_hf
 
@@ -474,6 +479,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in reference], near_tie=0.35,
     )
     assert parted <= 4
+    assert len(teacher_ids) > cpu_quant.MAX_X8_ROWS
     prefill = [abs(a[t].logprob - b[t].logprob) for t, a, b in
                zip(teacher_ids[1:], native_teacher.prompt_logprobs[1:], float_teacher.prompt_logprobs[1:])]
     assert max(prefill) < 1e-4
