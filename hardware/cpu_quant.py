@@ -59,10 +59,12 @@ X8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
 # x8 weights: the kernel up to this many rows. On SmolLM2's shapes (Intel Xeon, VNNI) it
-# beat dequantize + GEMM at every size measured, 8 to 128 rows (Q4_1 1536x576, 32 rows:
-# 0.22 against 0.48 ms; the Q8_0 LM head, 32 rows: 7.6 against 47.6 ms); more rows
-# (prefill of long prompts) take the exact float GEMM on dequantized tiles.
-MAX_X8_ROWS = 64
+# beat dequantize + GEMM at every size measured, 8 to 256 rows (Q4_1 1536x576: 32 rows
+# 0.22 against 0.48 ms, 128 rows 0.82 against 1.06; the Q8_0 LM head 49152x576, which a
+# decode step of a batch multiplies: 32 rows 7.6 against 47.6 ms, 128 rows 26 against
+# 67); more rows (prefill of long prompts, the largest batches) take the exact float GEMM
+# on dequantized tiles.
+MAX_X8_ROWS = 128
 TILE_VALUES = 1 << 22  # weight values dequantized per GEMM tile (16 MiB of float32)
 _TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
 

@@ -420,7 +420,11 @@ TEACHER_TEXT = (  # more than MAX_X8_ROWS tokens: one prefill of exact dequantiz
     "The Industrial Revolution began in Great Britain in the late eighteenth century. Steam engines, "
     "first used to pump water out of mines, were soon driving looms, mills and locomotives. Cities grew "
     "around the factories, canals and then railways carried coal and cotton across the country, and within "
-    "a few decades the new ways of working had spread to Belgium, France, Germany and the United States."
+    "a few decades the new ways of working had spread to Belgium, France, Germany and the United States. "
+    "Wages in the new mills were low and the hours were long; children worked beside their parents, and "
+    "reformers campaigned for decades before laws limited the working day. Historians still argue about "
+    "why the change began in Britain: cheap coal, high wages, secure property, a large empire and a "
+    "culture of tinkering craftsmen have all been proposed, and most accounts now combine several of them."
 )
 
 

@@ -457,40 +457,46 @@ int ember_quant_repack_x8(int type, const uint8_t *w, int64_t N, int64_t K, uint
     return 0;
 }
 
-/* one group-block of the x8 layout back into the 8 rows' GGUF blocks (out: 8 * block bytes) */
-static void unpack_x8_block(int type, const uint8_t *o, uint8_t *out) {
-    int64_t bb = block_bytes(type), head = x8_head_bytes(type);
+/* one group-block of the x8 layout back into its 8 rows' GGUF blocks (row n's at
+ * rows + n * row_bytes): the 4-byte chunks are the blocks' own bytes, moved */
+static void unpack_x8_block(int type, const uint8_t *o, uint8_t *rows, int64_t row_bytes) {
+    const int64_t head = x8_head_bytes(type), chunks = type == T_Q8_0 ? 8 : 4;
     for (int64_t n = 0; n < 8; n++) {
-        uint8_t *blk = out + n * bb;
+        uint8_t *blk = rows + n * row_bytes;
         memcpy(blk, o + 2 * n, 2);
         if (type == T_Q4_1) memcpy(blk + 2, o + 16 + 2 * n, 2);
-        uint8_t v[32];
-        for (int j = 0; j < 8; j++)
-            for (int e = 0; e < 4; e++) {
-                if (type == T_Q8_0) v[4 * j + e] = o[head + 32 * j + 4 * n + e];
-                else if (j < 4) v[4 * j + e] = o[head + 32 * j + 4 * n + e] & 15;
-                else v[4 * j + e] = o[head + 32 * (j - 4) + 4 * n + e] >> 4;
-            }
-        if (type == T_Q8_0) memcpy(blk + 2, v, 32);
-        else
-            for (int i = 0; i < 16; i++) blk[(type == T_Q4_1 ? 4 : 2) + i] = (uint8_t)(v[i] | (v[i + 16] << 4));
+        uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+        for (int64_t i = 0; i < chunks; i++) memcpy(qs + 4 * i, o + head + 32 * i + 4 * n, 4);
     }
 }
 
-/* the x8 layout -> float32 (N, K): ember_quant_dequant's numbers for the rows it came from */
+/* the x8 layout -> float32 (N, K): ember_quant_dequant's numbers for the rows it came
+ * from (each group's 8 rows rebuilt, then dequantized as ember_quant_dequant does) */
 int ember_quant_dequant_x8(int type, const uint8_t *p, int64_t N, int64_t K, float *out, int nthreads) {
     int64_t bb = block_bytes(type);
     if (!x8_type(type) || !bb || K % 32 || N % 8) return -1;
-    int64_t nb = K / 32;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < N / 8; g++) {
-        uint8_t blocks[8 * 34];
-        for (int64_t b = 0; b < nb; b++) {
-            unpack_x8_block(type, p + (g * nb + b) * 8 * bb, blocks);
-            for (int64_t n = 0; n < 8; n++) dequant_block(type, blocks + n * bb, out + (g * 8 + n) * K + 32 * b);
+    int64_t nb = K / 32, row_bytes = nb * bb;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *rows = malloc((size_t)(8 * row_bytes));
+        if (!rows) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < N / 8; g++) {
+            if (!rows) continue;
+            for (int64_t b = 0; b < nb; b++) unpack_x8_block(type, p + (g * nb + b) * 8 * bb, rows + b * bb, row_bytes);
+            for (int64_t n = 0; n < 8; n++) {
+                float *o = out + (g * 8 + n) * K;
+                if (dequant_row_avx2(type, rows + n * row_bytes, o, K)) continue;
+                for (int64_t b = 0; b < nb; b++) dequant_block(type, rows + n * row_bytes + b * bb, o + 32 * b);
+            }
+        }
+        free(rows);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
