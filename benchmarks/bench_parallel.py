@@ -40,7 +40,12 @@ def run(parallel: dict, max_decode: int, max_offline: int) -> dict:
     from ember import LLM, SamplingParams
 
     started = time.perf_counter()
-    with LLM(None, dtype="float32", num_kv_blocks=512, block_size=16, seed=0, **parallel) as llm:
+    from ember.weights import resolve_model
+
+    # the float32 conversion of the default GGUF in every configuration (TP=1 would
+    # otherwise run the Q4_1 weights natively; sharded engines load the float form)
+    model = str(resolve_model(None, gguf_native=False))
+    with LLM(model, dtype="float32", num_kv_blocks=512, block_size=16, seed=0, **parallel) as llm:
         startup = time.perf_counter() - started
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate(PROMPTS[:2], warm)

@@ -103,7 +103,10 @@ class EngineCore:
         self.backend = select_backend(self.plugin_manager.registries.backends, config.backend)
         self.num_threads = self.backend.configure_threads(config.num_threads)
 
-        self.model_dir = resolve_model(config.model, config.revision)
+        # tensor/pipeline parallelism shards float weights only: a GGUF file (the default
+        # model included) loads as its float32 conversion there
+        sharded = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+        self.model_dir = resolve_model(config.model, config.revision, gguf_native=False if sharded else None)
         self.hf_config = load_hf_config(self.model_dir)
         self.dtype = self.backend.resolve_dtype(config.dtype, model_dtype(self.hf_config))
         self.tokenizer = load_tokenizer(self.model_dir)

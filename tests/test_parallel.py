@@ -174,16 +174,21 @@ def test_bad_parallel_settings_are_refused_with_their_values(llama_kv1, tmp_path
 
 
 @pytest.mark.slow
-def test_smollm2_tp2_equals_one_process():
+def test_smollm2_tp2_equals_one_process(monkeypatch):
     """The default model (a Q4_1 GGUF, converted once to a safetensors directory in
-    Ember's cache, which each rank slices), fp32, TP=2."""
+    Ember's cache, which each rank slices), fp32, TP=2. The TP=2 run leaves
+    EMBER_GGUF_NATIVE unset, as a user's ``ember serve --tensor-parallel-size 2`` does:
+    a sharded engine loads the GGUF's float32 conversion (quantized weights are not
+    sharded), never refuses the default model."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=20)
     settings = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 16, "max_num_batched_tokens": 16, "seed": 0}
     with LLM(None, **settings) as llm:
         reference = llm.generate(prompts, params)
         total = sum(p.numel() * p.element_size() for p in llm.engine.core.model.parameters())
+    monkeypatch.delenv("EMBER_GGUF_NATIVE", raising=False)
     with LLM(None, tensor_parallel_size=2, **settings) as llm:
+        assert getattr(llm.engine.core.hf_config, "quantization_config", None) is None
         outs = llm.generate(prompts, params)
         ranks = llm.engine.core.parallel.describe_ranks()
     worst = 0.0

@@ -54,7 +54,7 @@ def run_torchrun_worker(config) -> None:
     from ember.weights import resolve_model
 
     env = torchrun_environment()
-    model_dir = resolve_model(config.model, config.revision)
+    model_dir = resolve_model(config.model, config.revision, gguf_native=False)  # as the driver: float shards
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // local_world)
     worker_main(WorkerArgs(
