@@ -41,12 +41,38 @@ LLAMA_CPP_VERSION = "0.3.36"
 ARMS = ("ember_q4_1", "ember_q4_1_one_row", "ember_bf16", "transformers_bf16", "llama_cpp")
 
 
+# llama.cpp's AMX backend (GGML_NATIVE turns it on where the CPU has AMX) crashed with
+# SIGSEGV in its first decode here (Intel Xeon with AMX-INT8, llama-cpp-python 0.3.36;
+# upstream: ggml-org/llama.cpp#20824, "segfault in ggml_backend_amx_mul_mat"). On such a
+# CPU the peer is built for every other ISA extension the CPU has, without AMX, as Ember
+# runs without it too.
+_GGML_ISA_OPTIONS = {  # ggml CMake option: /proc/cpuinfo flag
+    "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_BMI2": "bmi2",
+    "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+    "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16",
+}
+
+
+def llama_cpp_cmake_args() -> tuple[str, str]:
+    """(CMAKE_ARGS for the peer's build, a tag naming the variant)."""
+    from ember.hardware.cpu_paths import cpu_flags
+
+    base = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    flags = cpu_flags()
+    if not any(f.startswith("amx") for f in flags):
+        return f"-DGGML_NATIVE=ON {base}", "native"
+    isa = " ".join(f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in _GGML_ISA_OPTIONS.items())
+    return f"-DGGML_NATIVE=OFF {isa} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {base}", "noamx"
+
+
 def llama_cpp_venv_dir() -> Path:
     if env := os.environ.get("EMBER_BENCH_LLAMA_CPP_VENV"):
         return Path(env).expanduser()
     from ember.weights import ember_cache_dir
 
-    return ember_cache_dir() / "bench" / f"llama-cpp-python-{LLAMA_CPP_VERSION}"
+    _, tag = llama_cpp_cmake_args()
+    suffix = "" if tag == "native" else f"-{tag}"
+    return ember_cache_dir() / "bench" / f"llama-cpp-python-{LLAMA_CPP_VERSION}{suffix}"
 
 
 def ensure_llama_cpp(log=print) -> tuple[Path | None, str]:
@@ -59,10 +85,11 @@ def ensure_llama_cpp(log=print) -> tuple[Path | None, str]:
         return python, ""
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF",
-           "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-    log(f"building llama-cpp-python {LLAMA_CPP_VERSION} from its sdist into {venv} (minutes)")
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
+    cmake_args, _ = llama_cpp_cmake_args()
+    env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    log(f"building llama-cpp-python {LLAMA_CPP_VERSION} from its sdist into {venv} (minutes; CMAKE_ARGS {cmake_args})")
+    # --no-cache-dir: pip caches the wheel it built by the sdist alone, whatever CMAKE_ARGS were
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
                            f"llama-cpp-python=={LLAMA_CPP_VERSION}"], env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return None, f"pip install llama-cpp-python failed: {proc.stderr.strip()[-800:]}"
@@ -272,6 +299,7 @@ def main() -> None:
                 arms["llama_cpp"] = {"error": why}
             else:
                 gguf_path = fetch_default_gguf(work / "gguf", progress=False)
+                result["llama_cpp_cmake_args"] = llama_cpp_cmake_args()[0]
                 arms["llama_cpp"] = run_arm("llama_cpp", {"gguf": str(gguf_path), "prompt": ids[0],
                                                           "decode_tokens": args.decode_tokens,
                                                           "threads": cpu_thread_count()}, work, str(python))
