@@ -302,3 +302,41 @@ def test_serve_tp2_answers_openai_and_tgi_and_stops_when_a_worker_dies(llama_kv1
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+@pytest.mark.slow
+def test_the_documented_torchrun_command_serves_with_two_ranks(llama_kv1):
+    """docs/parallel.md's one-machine torchrun line (the multi-machine one differs only in
+    --nnodes/--node-rank/--master-addr): torchrun starts two ranks, rank 0 serves HTTP,
+    rank 1 computes, and the text equals one process's. Stopping rank 0 stops the job."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ember.api.cli", "serve", "--model-id", str(llama_kv1), "--dtype", "float32",
+        "--tensor-parallel-size", "2", "--port", str(port), "--max-batch-total-tokens", "2048",
+    ]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert job.poll() is None, job.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the torchrun job did not become ready"
+            time.sleep(0.5)
+        tgi = httpx.post(f"{url}/generate", json={"inputs": "hello world", "parameters": {"max_new_tokens": 6}},
+                         timeout=30)
+        with LLM(str(llama_kv1), dtype="float32", num_kv_blocks=64) as llm:
+            expected = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+        assert tgi.status_code == 200 and tgi.json()["generated_text"] == expected, tgi.text
+        os.killpg(job.pid, signal.SIGTERM)  # what a terminal's Ctrl-C or a pod's stop sends the job
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
