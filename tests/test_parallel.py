@@ -141,6 +141,19 @@ def test_tp2_pp2_qwen2_four_processes_equals_one_process(qwen2_tied):
     assert [(r.tp_rank, r.pp_rank) for r in parallel[2]] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
+@pytest.mark.parametrize("model, parallel", [
+    ("llama_kv1", {"pipeline_parallel_size": 2}),
+    ("llama_kv1", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ("mistral", {"tensor_parallel_size": 2}),
+    ("mistral", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ("qwen2_tied", {"pipeline_parallel_size": 2}),  # the tied embedding on stage 0, its LM head on stage 1
+], ids=["llama-pp2", "llama-tp2pp2", "mistral-tp2", "mistral-tp2pp2", "qwen2-pp2"])
+def test_the_other_layouts_of_each_architecture_equal_one_process(request, model, parallel):
+    """With the tests above, each tiny architecture runs TP=2, PP=2 and TP=2 x PP=2."""
+    model_dir = request.getfixturevalue(model)
+    _assert_same(_generate(model_dir), _generate(model_dir, **parallel))
+
+
 def test_plugins_reach_every_worker_entry_points_and_programmatic(legacy_llama):
     """The architecture and the ban_digits processor of the example plugin, registered
     programmatically in the driver (its entry point disabled), are registered by module
@@ -174,9 +187,13 @@ def test_bad_parallel_settings_are_refused_with_their_values(llama_kv1, tmp_path
 
 
 @pytest.mark.slow
-def test_smollm2_tp2_equals_one_process(monkeypatch):
+@pytest.mark.parametrize("parallel", [
+    {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+], ids=["tp2", "pp2", "tp2pp2"])
+def test_smollm2_tp2_equals_one_process(monkeypatch, parallel):
     """The default model (a Q4_1 GGUF, converted once to a safetensors directory in
-    Ember's cache, which each rank slices), fp32, TP=2. The TP=2 run leaves
+    Ember's cache, which each rank slices), fp32, TP=2, PP=2 and both. The sharded run leaves
     EMBER_GGUF_NATIVE unset, as a user's ``ember serve --tensor-parallel-size 2`` does:
     a sharded engine loads the GGUF's float32 conversion (quantized weights are not
     sharded), never refuses the default model."""
@@ -187,7 +204,7 @@ def test_smollm2_tp2_equals_one_process(monkeypatch):
         reference = llm.generate(prompts, params)
         total = sum(p.numel() * p.element_size() for p in llm.engine.core.model.parameters())
     monkeypatch.delenv("EMBER_GGUF_NATIVE", raising=False)
-    with LLM(None, tensor_parallel_size=2, **settings) as llm:
+    with LLM(None, **parallel, **settings) as llm:
         assert getattr(llm.engine.core.hf_config, "quantization_config", None) is None
         outs = llm.generate(prompts, params)
         ranks = llm.engine.core.parallel.describe_ranks()
@@ -196,6 +213,8 @@ def test_smollm2_tp2_equals_one_process(monkeypatch):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         worst = max([worst] + [abs(a - b) for a, b in zip(ref.outputs[0].token_logprobs, out.outputs[0].token_logprobs)])
     assert worst < TOLERANCE
+    if parallel != {"tensor_parallel_size": 2}:
+        return
     # SmolLM2's 9 heads in 3 KV groups: rank 0 computes 2 groups, rank 1 one; with
     # the MLP and the vocabulary split evenly, each rank holds about half (53% / 47%)
     assert [(r.num_heads, r.num_kv_heads) for r in ranks] == [(6, 2), (3, 1)]
