@@ -256,6 +256,20 @@ def _worker_pids(server_pid: int) -> list[int]:
     return pids
 
 
+def _wait_until_ready(process: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    """Until ``url``/health answers 200; fails with the process's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not become ready in {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_serve_tp2_answers_openai_and_tgi_and_stops_when_a_worker_dies(llama_kv1):
     import openai
@@ -270,16 +284,7 @@ def test_serve_tp2_answers_openai_and_tgi_and_stops_when_a_worker_dies(llama_kv1
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.5)
+        _wait_until_ready(server, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         chat = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
@@ -338,16 +343,7 @@ def test_the_documented_torchrun_command_serves_with_two_ranks(llama_kv1):
                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert job.poll() is None, job.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the torchrun job did not become ready"
-            time.sleep(0.5)
+        _wait_until_ready(job, url)
         tgi = httpx.post(f"{url}/generate", json={"inputs": "hello world", "parameters": {"max_new_tokens": 6}},
                          timeout=30)
         with LLM(str(llama_kv1), dtype="float32", num_kv_blocks=64) as llm:

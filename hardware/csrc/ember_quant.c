@@ -499,16 +499,27 @@ int ember_quant_dequant_x8(int type, const uint8_t *p, int64_t N, int64_t K, flo
     return failed ? -2 : 0;
 }
 
+/* float32 x (M, K) as ember_quant_act's blocks in one malloc'd buffer (returned, for
+ * free; 0 when out of memory): q int8 (M, K), dx (M, K/32), s (M, K/16) */
+static void *act_blocks(const float *x, int64_t M, int64_t K, int nthreads, int8_t **q, float **dx, int16_t **s) {
+    size_t nq = (size_t)(M * K);
+    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    if (!scratch) return 0;
+    *q = scratch;
+    *dx = (float *)(*q + nq);
+    *s = (int16_t *)(*dx + nq / 32);
+    ember_quant_act(x, M, K, *q, *dx, *s, nthreads);
+    return scratch;
+}
+
 int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
                           const float *bias, float *y, int nthreads) {
     if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI)) return -1;
-    size_t nq = (size_t)(M * K);
-    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    int8_t *q;
+    float *dx;
+    int16_t *s;
+    void *scratch = act_blocks(x, M, K, nthreads, &q, &dx, &s);
     if (!scratch) return -2;
-    int8_t *q = scratch;
-    float *dx = (float *)(q + nq);
-    int16_t *s = (int16_t *)(dx + nq / 32);
-    ember_quant_act(x, M, K, q, dx, s, nthreads);
     if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
     else linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
     free(scratch);
@@ -520,13 +531,11 @@ int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_
 int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
                            const float *bias, float *y, int nthreads) {
     if (K % 32 || !ember_quant_has_kernel(isa, type)) return -1;
-    size_t nq = (size_t)(M * K);
-    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    int8_t *q;
+    float *dx;
+    int16_t *s;
+    void *scratch = act_blocks(x, M, K, nthreads, &q, &dx, &s);
     if (!scratch) return -2;
-    int8_t *q = scratch;
-    float *dx = (float *)(q + nq);
-    int16_t *s = (int16_t *)(dx + nq / 32);
-    ember_quant_act(x, M, K, q, dx, s, nthreads);
     int rc = ember_quant_linear(isa, type, w, N, K, q, dx, s, M, bias, y, nthreads);
     free(scratch);
     return rc;
