@@ -425,33 +425,23 @@ int ember_quant_linear(int isa, int type, const uint8_t *w, int64_t N, int64_t K
     return 0;
 }
 
-/* W (N, K) GGUF rows -> the x8 layout (N * row bytes, the same size); -1 for another type or N % 8 */
+/* W (N, K) GGUF rows -> the x8 layout (N * row bytes, the same size); -1 for another type
+ * or N % 8. A Q4 block's byte i holds value i (low nibble) and value i + 16 (high), so
+ * its 4-byte chunks are already the x8 chunk pairs: the bytes only move (and back, in
+ * unpack_x8_block) */
 int ember_quant_repack_x8(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
     int64_t bb = block_bytes(type);
     if (!x8_type(type) || !bb || K % 32 || N % 8) return -1;
-    int64_t nb = K / 32, row_bytes = nb * bb, head = x8_head_bytes(type), gb = 8 * bb;
+    const int64_t nb = K / 32, row_bytes = nb * bb, head = x8_head_bytes(type), chunks = type == T_Q8_0 ? 8 : 4;
     for (int64_t g = 0; g < N / 8; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + (g * nb + b) * gb;
+            uint8_t *o = out + (g * nb + b) * 8 * bb;
             for (int64_t n = 0; n < 8; n++) {
                 const uint8_t *blk = w + (g * 8 + n) * row_bytes + b * bb;
-                memcpy(o + 2 * n, blk, 2);                                  /* d */
-                if (type == T_Q4_1) memcpy(o + 16 + 2 * n, blk + 2, 2);    /* m */
-                uint8_t v[32];
-                if (type == T_Q8_0) memcpy(v, blk + 2, 32);
-                else
-                    for (int i = 0; i < 16; i++) {
-                        uint8_t byte = blk[(type == T_Q4_1 ? 4 : 2) + i];
-                        v[i] = byte & 15;
-                        v[i + 16] = byte >> 4;
-                    }
-                for (int j = 0; j < 8; j++)
-                    for (int e = 0; e < 4; e++) {
-                        uint8_t x = v[4 * j + e];
-                        if (type == T_Q8_0) o[head + 32 * j + 4 * n + e] = x;
-                        else if (j < 4) o[head + 32 * j + 4 * n + e] = x;
-                        else o[head + 32 * (j - 4) + 4 * n + e] |= (uint8_t)(x << 4);
-                    }
+                memcpy(o + 2 * n, blk, 2);                               /* d */
+                if (type == T_Q4_1) memcpy(o + 16 + 2 * n, blk + 2, 2); /* m */
+                const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+                for (int64_t i = 0; i < chunks; i++) memcpy(o + head + 32 * i + 4 * n, qs + 4 * i, 4);
             }
         }
     return 0;
