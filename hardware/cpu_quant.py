@@ -276,17 +276,16 @@ class GGUFLinearOp(QuantizedLinearOp):
     def __init__(self) -> None:
         self.kernels = load()
         self._scratch = torch.empty(0)
-        self.x8 = self.kernels is not None and os.environ.get("EMBER_GGUF_X8", "1") != "0"
-        if self.kernels is not None:
-            if self.x8 and self.kernels.isa == "ref":
-                self.x8 = False
-            logger.info("GGUF %s weights: %s", "/".join(X8_TYPES),
-                        "x8 layout, 8 rows per product" if self.x8 else
-                        f"as read, one-row kernels ({'EMBER_GGUF_X8=0' if self.kernels.isa != 'ref' else 'ref ISA'})")
+        self.x8 = False
         if self.kernels is not None:
             self._linear_f32 = self.kernels._linear_f32
             self._linear_x8 = self.kernels._linear_x8
             self._isa = ISA_IDS[self.kernels.isa]
+            off = "EMBER_GGUF_X8=0" if os.environ.get("EMBER_GGUF_X8", "1") == "0" else \
+                "ref ISA" if self.kernels.isa == "ref" else None
+            self.x8 = off is None
+            logger.info("GGUF %s weights: %s", "/".join(X8_TYPES),
+                        "x8 layout, 8 rows per product" if self.x8 else f"as read, one-row kernels ({off})")
 
     def prepare(self, weight):
         if isinstance(weight, PackedGGUFWeight):

@@ -785,8 +785,11 @@ TARGET static void SFX(linear_x8)(int type, const uint8_t *p, int64_t N, int64_t
                 const __m256 mn = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)))
                                           : _mm256_setzero_ps();
                 __m256i u[8];
-                if (q8) {
-                    for (int j = 0; j < 8; j++) u[j] = _mm256_loadu_si256((const __m256i *)(o + head + 32 * j));
+                if (q8) { /* VNNI multiplies unsigned bytes: w + 128, once per block */
+                    for (int j = 0; j < 8; j++) {
+                        u[j] = _mm256_loadu_si256((const __m256i *)(o + head + 32 * j));
+                        if (HAS_VNNI) u[j] = _mm256_xor_si256(u[j], _mm256_set1_epi8((char)0x80));
+                    }
                 } else {
                     for (int i = 0; i < 4; i++) {
                         __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * i));
@@ -803,10 +806,7 @@ TARGET static void SFX(linear_x8)(int type, const uint8_t *p, int64_t N, int64_t
                         memcpy(&c0, xr + 4 * j, 4);
                         memcpy(&c1, xr + 4 * j + 4, 4);
                         __m256i x0 = _mm256_set1_epi32(c0), x1 = _mm256_set1_epi32(c1), u0 = u[j], u1 = u[j + 1];
-                        if (q8 && HAS_VNNI) { /* w + 128, unsigned */
-                            u0 = _mm256_xor_si256(u0, _mm256_set1_epi8((char)0x80));
-                            u1 = _mm256_xor_si256(u1, _mm256_set1_epi8((char)0x80));
-                        } else if (q8) { /* |w| and the sign on the activation: pairs fit int16 */
+                        if (q8 && !HAS_VNNI) { /* |w| and the sign on the activation: pairs fit int16 */
                             x0 = _mm256_sign_epi8(x0, u0);
                             x1 = _mm256_sign_epi8(x1, u1);
                             u0 = _mm256_sign_epi8(u0, u0);
