@@ -311,9 +311,11 @@ def main() -> None:
             if "perplexity" in q and "float32" in table:
                 q["perplexity_vs_float32"] = q["perplexity"] / table["float32"]["perplexity"]
             q["command"] = f"python benchmarks/bench_quant.py (window {args.window})"
-            q["note"] = ("each window is one prefill: products of more than 8 rows dequantize the tiles exactly and "
-                         "run a float GEMM, so this is the float32 perplexity; the decode kernels' 8-bit activations "
-                         "are measured in tests/test_gguf_quant.py instead")
+            exact = os.environ.get("EMBER_GGUF_EXACT_ROWS", "").strip()
+            q["note"] = ("each window is one prefill; " + (
+                f"EMBER_GGUF_EXACT_ROWS={exact}: products of more rows dequantize tiles and run an exact float GEMM"
+                if exact else "every product runs the integer kernels (8-bit activations, the default), as decode "
+                "does") + "; the kernels' bounds against the float model are tested in tests/test_gguf_quant.py")
             table["q4_1_native"] = q
             quality_path.write_text(json.dumps(table, indent=2) + "\n")
             result["q4_1_native_perplexity"] = q.get("perplexity")

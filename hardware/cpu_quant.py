@@ -10,7 +10,13 @@ float32 (``dequantize``, bit for bit ``gguf.quants.dequantize``) and run PyTorch
 GEMM, which is compute-bound there and faster than integer dot products one row at a
 time. ``MAX_KERNEL_ROWS`` is the crossover measured on SmolLM2's shapes.
 
-Instruction sets (``ISAS``): ``avx512vnni`` (``_mm256_dpbusd_epi32``), ``avx2``
+Weights in the x8 layout (Q4_0, Q4_1, Q8_0, rows a multiple of 8) take the integer
+kernel at every row count, prefill included, as llama.cpp does: it beat dequantize +
+GEMM at every size measured. ``EMBER_GGUF_EXACT_ROWS=N`` sends their products of more
+than N rows to the exact float GEMM instead (``x8_exact_rows``).
+
+Instruction sets (``ISAS``): ``avx512vnni`` (``_mm256_dpbusd_epi32``; x8 products of 5
+rows or more ``_mm512_dpbusd_epi32``, 16 output rows at a time), ``avx2``
 (``_mm256_maddubs_epi16``), ``ref`` (plain C, the check for the others). One library
 holds them all, each compiled under its own target attribute; ``select_isa`` picks the
 best the CPU's flags allow, once, logged, and ``EMBER_QUANT_ISA=avx512vnni|avx2|ref``
@@ -58,13 +64,13 @@ X8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
-# x8 weights: the kernel up to this many rows. On SmolLM2's shapes (Intel Xeon, VNNI) it
-# beat dequantize + GEMM at every size measured, 8 to 256 rows (Q4_1 1536x576: 32 rows
-# 0.22 against 0.48 ms, 128 rows 0.82 against 1.06; the Q8_0 LM head 49152x576, which a
-# decode step of a batch multiplies: 32 rows 7.6 against 47.6 ms, 128 rows 26 against
-# 67); more rows (prefill of long prompts, the largest batches) take the exact float GEMM
-# on dequantized tiles.
-MAX_X8_ROWS = 128
+# x8 weights take the kernel at every row count unless EMBER_GGUF_EXACT_ROWS says
+# otherwise (x8_exact_rows). On SmolLM2's shapes it beat dequantize + GEMM at every size
+# measured: Intel Xeon (VNNI), 8 to 256 rows (Q4_1 1536x576: 32 rows 0.22 against 0.48
+# ms, 128 rows 0.82 against 1.06; the Q8_0 LM head 49152x576 at 32 rows 7.6 against
+# 47.6 ms); AMD EPYC (AVX-512 VNNI), 128 prompts of 61 tokens on average prefilled in
+# 7.2 s against 14.3 s with exact tiles beyond 128 rows.
+EXACT_ROWS_VARIABLE = "EMBER_GGUF_EXACT_ROWS"
 TILE_VALUES = 1 << 22  # weight values dequantized per GEMM tile (16 MiB of float32)
 _TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
 
@@ -91,6 +97,23 @@ def select_isa(flags: set[str] | None = None, environ=os.environ) -> tuple[str, 
     if not runnable:
         raise RuntimeError(f"this CPU lacks {', '.join(f for f in ISA_CPU_FLAGS['avx2'] if f not in flags)}")
     return runnable[0], f"the best this CPU runs (runnable: {', '.join(runnable)})"
+
+
+def x8_exact_rows(environ=os.environ) -> int | None:
+    """``EMBER_GGUF_EXACT_ROWS``: x8 products of more rows than this dequantize tiles and
+    run the exact float GEMM (float activations, the dequantized model's numbers); unset
+    or empty, None: every row count takes the integer kernel. ValueError naming the
+    value unless it is a whole number >= 0."""
+    value = environ.get(EXACT_ROWS_VARIABLE, "").strip()
+    if not value:
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"{EXACT_ROWS_VARIABLE}={value!r} is not a whole number of rows >= 0")
+    return rows
 
 
 class QuantKernels:
@@ -277,6 +300,7 @@ class GGUFLinearOp(QuantizedLinearOp):
         self.kernels = load()
         self._scratch = torch.empty(0)
         self.x8 = False
+        self.max_x8_rows = sys.maxsize
         if self.kernels is not None:
             self._linear_f32 = self.kernels._linear_f32
             self._linear_x8 = self.kernels._linear_x8
@@ -284,8 +308,13 @@ class GGUFLinearOp(QuantizedLinearOp):
             off = "EMBER_GGUF_X8=0" if os.environ.get("EMBER_GGUF_X8", "1") == "0" else \
                 "ref ISA" if self.kernels.isa == "ref" else None
             self.x8 = off is None
+            exact = x8_exact_rows()
+            if exact is not None:
+                self.max_x8_rows = exact
+            layout = "x8 layout, the integer kernel at " + (
+                "every row count" if exact is None else f"up to {exact} rows, exact float GEMM beyond")
             logger.info("GGUF %s weights: %s", "/".join(X8_TYPES),
-                        "x8 layout, 8 rows per product" if self.x8 else f"as read, one-row kernels ({off})")
+                        layout if self.x8 else f"as read, one-row kernels ({off})")
 
     def prepare(self, weight):
         if isinstance(weight, PackedGGUFWeight):
@@ -330,7 +359,7 @@ class GGUFLinearOp(QuantizedLinearOp):
     def _segment(self, x, plan, K, bias):
         type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
-        if has_kernel and M <= (MAX_X8_ROWS if x8 else MAX_KERNEL_ROWS):
+        if has_kernel and M <= (self.max_x8_rows if x8 else MAX_KERNEL_ROWS):
             y = torch.empty(M, N, dtype=torch.float32)
             call = self._linear_x8 if x8 else self._linear_f32
             rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,

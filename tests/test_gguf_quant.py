@@ -149,14 +149,17 @@ def test_the_x8_layout_holds_the_same_numbers_and_multiplies_like_the_one_row_ke
     """Repacked 8 rows at a time, a weight dequantizes to gguf's numbers bit for bit and
     its product equals the one-row kernel's to float rounding (another summation order)
     on every instruction set, for 1-13 rows; each row's result is its own whatever
-    shares the call."""
-    for seed, (out_features, in_features) in enumerate([(8, 32), (16, 96), (64, 576)]):
+    shares the call. The instruction sets' x8 products are equal bit for bit (their
+    integer sums are exact), the avx512vnni one through both its kernels (256-bit under
+    5 rows, 512-bit from 5: two groups per register, a lone last group in 24 rows)."""
+    for seed, (out_features, in_features) in enumerate([(8, 32), (16, 96), (24, 64), (64, 576)]):
         data = torch.from_numpy(random_blocks(name, out_features, in_features, seed=seed))
         packed = kernels.repack_x8(data, name, in_features)
         assert packed.shape == data.shape and not torch.equal(packed, data)
         exact = gguf_quants.dequantize(data, name)
         assert torch.equal(kernels.dequantize_x8(packed, name, in_features).view(torch.int32), exact.view(torch.int32))
         bias = torch.randn(out_features)
+        products = []
         for isa in X8_ISAS:
             x = torch.randn(13, in_features, generator=torch.Generator().manual_seed(seed)) * 3
             want = kernels.linear(x, data, name, bias, isa=isa, max_kernel_rows=13)
@@ -164,6 +167,10 @@ def test_the_x8_layout_holds_the_same_numbers_and_multiplies_like_the_one_row_ke
             assert ((got - want).abs() <= 1e-5 * want.abs().max()).all(), (isa, (got - want).abs().max())
             alone = torch.cat([kernels.linear_x8(x[i:i + 1], packed, name, bias, isa=isa) for i in range(13)])
             assert torch.equal(alone, got), isa
+            for rows in (4, 5, 6, 7):
+                assert torch.equal(kernels.linear_x8(x[:rows], packed, name, bias, isa=isa), got[:rows]), (isa, rows)
+            products.append(got)
+        assert all(torch.equal(p.view(torch.int32), products[0].view(torch.int32)) for p in products)
     with pytest.raises(ValueError, match="no x8 layout"):
         kernels.repack_x8(torch.from_numpy(random_blocks(name, 12, 64, seed=0)), name, 64)
 
@@ -189,8 +196,21 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
     x = torch.randn(20, 256)  # the x8 kernel beyond MAX_KERNEL_ROWS
     reference = torch.nn.functional.linear(x, weight().dequantize())
     assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
-    many = torch.randn(cpu_quant.MAX_X8_ROWS + 3, 256)  # dequantized tiles, x8 ones too
-    assert torch.allclose(op(many, prepared), torch.nn.functional.linear(many, weight().dequantize()), atol=1e-4)
+    many = torch.randn(300, 256)  # a prefill: the x8 kernel at every row count by default
+    reference = torch.nn.functional.linear(many, weight().dequantize())
+    assert ((op(many, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
+    if kernels.isa != "ref":
+        assert not torch.allclose(op(many, prepared), reference, atol=1e-4)  # 8-bit activations
+    monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", "128")  # beyond 128 rows: exact dequantized tiles, x8 ones too
+    exact = cpu_quant.GGUFLinearOp()
+    assert torch.allclose(exact(many, exact.prepare(weight())), reference, atol=1e-4)
+    assert not torch.allclose(exact(many[:128], exact.prepare(weight())), reference[:128], atol=1e-4) or \
+        kernels.isa == "ref"
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", bad)
+        with pytest.raises(ValueError, match=f"EMBER_GGUF_EXACT_ROWS='{bad}' is not a whole number"):
+            cpu_quant.GGUFLinearOp()
+    monkeypatch.delenv("EMBER_GGUF_EXACT_ROWS")
 
     monkeypatch.setenv("EMBER_GGUF_X8", "0")
     kept = cpu_quant.GGUFLinearOp().prepare(weight())
@@ -416,7 +436,7 @@ SMOLLM2_CONVERSATIONS = [
     [{"role": "user", "content": "Give me a Python function that reverses a string."}],
     [{"role": "user", "content": "How many legs does a spider have?"}],
 ]
-TEACHER_TEXT = (  # more than MAX_X8_ROWS tokens: one prefill of exact dequantized tiles
+TEACHER_TEXT = (  # 153 tokens: one prefill of more than 128 rows
     "The Industrial Revolution began in Great Britain in the late eighteenth century. Steam engines, "
     "first used to pump water out of mines, were soon driving looms, mills and locomotives. Cities grew "
     "around the factories, canals and then railways carried coal and cotton across the country, and within "
@@ -429,23 +449,26 @@ TEACHER_TEXT = (  # more than MAX_X8_ROWS tokens: one prefill of exact dequantiz
 
 
 @pytest.mark.slow
-def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf, tmp_path_factory):
+def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf, tmp_path_factory, monkeypatch):
     """The quantized conversion served natively (Q4_1 layers, Q8_0 LM head) against the
     float32 conversion of the same file (the dequantized model).
 
-    Decode steps (one row: the integer kernels, 8-bit activations): the logprob of
-    each token the native run chose, against the float model's for the same token in
-    the same context (teacher-forced), is within 0.06 nat on average, 0.2 at the 95th
-    percentile and 0.6 at most over 144 tokens. Measured: one-row kernels max 0.22-0.24,
-    mean 0.031-0.035, p95 0.12-0.13 (AMD AVX2, Intel VNNI); the x8 kernels (Intel VNNI)
-    max 0.41, mean 0.032, p95 0.092. The maximum is one token's: 8-bit activations turn
-    a 1e-7 difference in summation order into a different rounding of some activation,
-    so which token is worst moves between kernels; the mean and p95 are the stable
-    figures, the max bound is loose on purpose. Greedy texts: where the
-    two runs part, the native run took the float model's second choice at a near tie
-    (under 0.35 nat); measured, 4 of these 6 conversations part (gaps 0.013 to 0.26).
-    Prefill of more than MAX_X8_ROWS tokens (dequantized tiles and a float GEMM) gives
-    the float model's logprobs to 1e-4."""
+    Every product takes the integer kernels (8-bit activations), prompts included (the
+    default; EMBER_GGUF_EXACT_ROWS unset). Decode: the logprob of each token the native
+    run chose, against the float model's for the same token in the same context
+    (teacher-forced), is within 0.08 nat on average, 0.2 at the 95th percentile and 0.6
+    at most over 144 tokens. Prefill (a 153-token text, teacher-forced): the same bounds.
+    Measured on an AMD EPYC (AVX-512 VNNI): decode max 0.50, mean 0.049, p95 0.146;
+    prefill max 0.24, mean 0.055, p95 0.149. Before prompts took the integer kernels
+    (exact prefill), decode measured max 0.22-0.41, mean 0.031-0.035, p95 0.09-0.13 (AMD
+    AVX2, Intel VNNI). The maximum is one token's: 8-bit activations turn a 1e-7
+    difference in summation order into a different rounding of some activation, so
+    which token is worst moves between kernels; the mean and p95 are the stable figures,
+    the max bound is loose on purpose. Greedy texts: where the two runs part, the native
+    run took the float model's second choice at a near tie (under 0.35 nat); measured,
+    3 or 4 of these 6 conversations part. With EMBER_GGUF_EXACT_ROWS=128 (dequantized
+    tiles and a float GEMM beyond 128 rows) the prefill gives the float model's
+    logprobs to 1e-4."""
     from ember import LLM, SamplingParams
     from ember.weights import convert_gguf_to_hf
 
@@ -463,6 +486,11 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     teacher_ids = llm.get_tokenizer().encode(TEACHER_TEXT)
     native_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
     del llm
+    monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", "128")
+    llm = LLM(str(native_dir), **kwargs)
+    exact_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
+    del llm
+    monkeypatch.delenv("EMBER_GGUF_EXACT_ROWS")
 
     llm = LLM(str(smollm2_dir), **kwargs)
     reference = llm.chat(SMOLLM2_CONVERSATIONS, greedy_params)
@@ -477,13 +505,20 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
         for i, (token, entry) in enumerate(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)):
             diffs.append(abs(entry[token].logprob - ref.prompt_logprobs[start + i][token].logprob))
     summary = (max(diffs), np.mean(diffs), np.percentile(diffs, 95))
-    assert max(diffs) < 0.6 and np.mean(diffs) < 0.06 and np.percentile(diffs, 95) < 0.2, summary
+    assert max(diffs) < 0.6 and np.mean(diffs) < 0.08 and np.percentile(diffs, 95) < 0.2, summary
     parted = assert_same_greedy_tokens(
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in native],
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in reference], near_tie=0.35,
     )
     assert parted <= 4
-    assert len(teacher_ids) > cpu_quant.MAX_X8_ROWS
-    prefill = [abs(a[t].logprob - b[t].logprob) for t, a, b in
-               zip(teacher_ids[1:], native_teacher.prompt_logprobs[1:], float_teacher.prompt_logprobs[1:])]
-    assert max(prefill) < 1e-4
+    assert len(teacher_ids) > 128
+
+    def prefill_diffs(run):
+        return [abs(a[t].logprob - b[t].logprob)
+                for t, a, b in zip(teacher_ids[1:], run.prompt_logprobs[1:], float_teacher.prompt_logprobs[1:])]
+
+    prefill = prefill_diffs(native_teacher)
+    summary = (max(prefill), np.mean(prefill), np.percentile(prefill, 95))
+    assert max(prefill) < 0.6 and np.mean(prefill) < 0.08 and np.percentile(prefill, 95) < 0.2, summary
+    assert max(prefill) > 1e-3  # 8-bit activations: not the float path
+    assert max(prefill_diffs(exact_teacher)) < 1e-4

@@ -19,8 +19,9 @@
  * One kernel body is compiled per instruction set (this file includes itself): avx2 (the
  * byte products by _mm256_maddubs_epi16 + _mm256_madd_epi16; pairs of products fit int16:
  * u <= 128 and |q| <= 127) and avx512vnni (_mm256_dpbusd_epi32, one instruction, no
- * intermediate int16), each under its own target attribute so one library serves every
- * CPU and Python picks what the CPU can run. "ref" is plain C, the check for the others.
+ * intermediate int16; x8 products of X8Z_MIN_ROWS rows or more in 512-bit registers,
+ * linear_x8_zmm), each under its own target attribute so one library serves every CPU
+ * and Python picks what the CPU can run. "ref" is plain C, the check for the others.
  * No AMX-INT8 variant yet: its tiles want weights re-laid out in 16x64 tiles, a larger
  * change than this file's one-row-at-a-time scheme.
  */
@@ -502,6 +503,113 @@ static void *act_blocks(const float *x, int64_t M, int64_t K, int nthreads, int8
     return scratch;
 }
 
+/* The x8 layout on AVX-512 (the avx512vnni ISA's linear_x8): two groups of 8 rows side by
+ * side in one 512-bit register (lanes 0-7 group g, 8-15 group g + 1; a lone last group
+ * fills both halves and only the low one is stored), so one _mm512_dpbusd_epi32 gives 16 output rows' partial sums
+ * where linear_x8_avx2's 256-bit products give 8. Q4_0's -8 and Q8_0's +128 (VNNI
+ * multiplies unsigned bytes: w + 128, once per block) come off the integer sums exactly,
+ * via the activation's block sums; the integer sums are exact in both kernels and each
+ * lane's float operations run in linear_x8_avx2's order, so every output equals its bit
+ * for bit. ROWS_Z activation rows per pass: a verification of 5 drafts (6 rows) is one.
+ * Under X8Z_MIN_ROWS rows the 256-bit kernel is faster (AMD EPYC with AVX-512, SmolLM2's
+ * layers streamed from memory: 1 row 2.9 against 3.7 ms, 4 rows 4.4 against 5.0; 6 rows
+ * 4.7 against 5.2, 16 rows 10.8 against 17.3). */
+#define ROWS_Z 6
+#ifndef X8Z_MIN_ROWS
+#define X8Z_MIN_ROWS 5
+#endif
+#define TARGET_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+TARGET_Z INLINE __m512i load_pair(const uint8_t *lo, const uint8_t *hi) {
+    __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo));
+    return _mm512_inserti64x4(v, _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+
+TARGET_Z INLINE __m512 scales_pair(const uint8_t *lo, const uint8_t *hi) { /* 8 + 8 f16 -> 16 floats */
+    __m128i l = _mm_loadu_si128((const __m128i *)lo), h = _mm_loadu_si128((const __m128i *)hi);
+    return _mm512_cvtph_ps(_mm256_set_m128i(h, l));
+}
+
+/* R (1..ROWS_Z) activation rows against one pair of groups; called with constant type
+ * and R (x8z_tiles), so the loops over rows unroll and the accumulators stay in
+ * registers. q, dx and s start at the tile's first row, y at its first output. */
+TARGET_Z INLINE void x8z_tile(const int type, const int R, const uint8_t *lo, const uint8_t *hi, int64_t nb,
+                              int64_t K, const int8_t *q, const float *dx, const int16_t *s, __mmask16 keep,
+                              __m512 b16, float *y, int64_t N) {
+    const int64_t gb = 8 * block_bytes(type), head = x8_head_bytes(type);
+    const int q8 = type == T_Q8_0, has_min = type == T_Q4_1;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[ROWS_Z], off[ROWS_Z];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ol = lo + b * gb, *oh = hi + b * gb;
+        const __m512 d = scales_pair(ol, oh);
+        const __m512 mn = has_min ? scales_pair(ol + 16, oh + 16) : _mm512_setzero_ps();
+        __m512i u[8];
+        if (q8) {
+            for (int j = 0; j < 8; j++)
+                u[j] = _mm512_xor_si512(load_pair(ol + head + 32 * j, oh + head + 32 * j), _mm512_set1_epi8((char)0x80));
+        } else {
+            for (int i = 0; i < 4; i++) {
+                __m512i v = load_pair(ol + head + 32 * i, oh + head + 32 * i);
+                u[i] = _mm512_and_si512(v, m4);
+                u[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t ib = r * nb + b;
+            const uint8_t *xr = (const uint8_t *)(q + r * K + 32 * b);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                int32_t c0, c1;
+                memcpy(&c0, xr + 4 * j, 4);
+                memcpy(&c1, xr + 4 * j + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(c0));
+                s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(c1));
+            }
+            __m512i sum = _mm512_add_epi32(s0, s1);
+            const int32_t qsum = (int32_t)s[2 * ib] + (int32_t)s[2 * ib + 1];
+            if (type == T_Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * qsum));
+            else if (q8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qsum));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx[ib])), acc[r]);
+            if (has_min) off[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx[ib] * (float)qsum), off[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N, keep, _mm512_add_ps(_mm512_add_ps(acc[r], off[r]), b16));
+}
+
+#define X8Z_CASE(T, R) \
+    case (T) * 8 + (R): x8z_tile(T, R, lo, hi, nb, K, q, dx, s, keep, b16, y, N); break;
+#define X8Z_CASES(T) X8Z_CASE(T, 1) X8Z_CASE(T, 2) X8Z_CASE(T, 3) X8Z_CASE(T, 4) X8Z_CASE(T, 5) X8Z_CASE(T, 6)
+TARGET_Z static void x8z_tiles(int type, int R, const uint8_t *lo, const uint8_t *hi, int64_t nb, int64_t K,
+                               const int8_t *q, const float *dx, const int16_t *s, __mmask16 keep, __m512 b16,
+                               float *y, int64_t N) {
+    switch (type * 8 + R) {
+        X8Z_CASES(T_Q4_0)
+        X8Z_CASES(T_Q4_1)
+        X8Z_CASES(T_Q8_0)
+    }
+}
+#undef X8Z_CASES
+#undef X8Z_CASE
+
+TARGET_Z static void linear_x8_zmm(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *q,
+                                          const float *dx, const int16_t *s, int64_t M, const float *bias, float *y,
+                                          int nthreads) {
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+        const int64_t g = 2 * pair;
+        const int whole = g + 1 < groups;
+        const __mmask16 keep = whole ? 0xffff : 0x00ff;
+        const uint8_t *lo = p + g * nb * gb, *hi = whole ? lo + nb * gb : lo;
+        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_Z)
+            x8z_tiles(type, (int)(M - m0 < ROWS_Z ? M - m0 : ROWS_Z), lo, hi, nb, K, q + m0 * K, dx + m0 * nb,
+                      s + 2 * m0 * nb, keep, b16, y + m0 * N + 8 * g, N);
+    }
+}
+
 int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
                           const float *bias, float *y, int nthreads) {
     if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI)) return -1;
@@ -511,7 +619,8 @@ int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_
     void *scratch = act_blocks(x, M, K, nthreads, &q, &dx, &s);
     if (!scratch) return -2;
     if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
-    else linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    else if (M < X8Z_MIN_ROWS) linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    else linear_x8_zmm(type, p, N, K, q, dx, s, M, bias, y, nthreads);
     free(scratch);
     return 0;
 }
@@ -762,72 +871,93 @@ TARGET static float SFX(dot_q6_k)(const uint8_t *w, const int8_t *q, const float
 }
 
 /* the x8 layout (see ember_quant_repack_x8) times M activation rows, ROWS at a time: y
- * (M, N) (+ bias). Every row's numbers are its own whatever M is. Q4_0's -8 and Q8_0's
- * +128 (VNNI: unsigned x signed) come off the integer sums exactly, via the activation's
- * block sums; Q4_1's mins add m dx sum(q) in float. */
+ * (M, N) (+ bias), 8 output rows per 256-bit product. Every row's numbers are its own
+ * whatever M is. Q4_0's -8 and Q8_0's +128 (VNNI: unsigned x signed) come off the integer
+ * sums exactly, via the activation's block sums; Q4_1's mins add m dx sum(q) in float.
+ * The avx512vnni ISA also has linear_x8_zmm (16 output rows per 512-bit product), which
+ * it takes for larger M. */
+/* R (1..ROWS) activation rows against one group; called with constant type and R
+ * (x8_tiles), so the loops over rows unroll and the accumulators stay in registers. q,
+ * dx and s start at the tile's first row, y at its first output. */
+TARGET INLINE void SFX(x8_tile)(const int type, const int R, const uint8_t *o, int64_t nb, int64_t K,
+                                const int8_t *q, const float *dx, const int16_t *s, __m256 b8, float *y, int64_t N) {
+    const int64_t gb = 8 * block_bytes(type), head = x8_head_bytes(type);
+    const int q8 = type == T_Q8_0, has_min = type == T_Q4_1;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[ROWS], off[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, o += gb) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        const __m256 mn = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))) : _mm256_setzero_ps();
+        __m256i u[8];
+        if (q8) { /* VNNI multiplies unsigned bytes: w + 128, once per block */
+            for (int j = 0; j < 8; j++) {
+                u[j] = _mm256_loadu_si256((const __m256i *)(o + head + 32 * j));
+                if (HAS_VNNI) u[j] = _mm256_xor_si256(u[j], _mm256_set1_epi8((char)0x80));
+            }
+        } else {
+            for (int i = 0; i < 4; i++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * i));
+                u[i] = _mm256_and_si256(v, m4);
+                u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t ib = r * nb + b;
+            const uint8_t *xr = (const uint8_t *)(q + r * K + 32 * b);
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                int32_t c0, c1;
+                memcpy(&c0, xr + 4 * j, 4);
+                memcpy(&c1, xr + 4 * j + 4, 4);
+                __m256i x0 = _mm256_set1_epi32(c0), x1 = _mm256_set1_epi32(c1), u0 = u[j], u1 = u[j + 1];
+                if (q8 && !HAS_VNNI) { /* |w| and the sign on the activation: pairs fit int16 */
+                    x0 = _mm256_sign_epi8(x0, u0);
+                    x1 = _mm256_sign_epi8(x1, u1);
+                    u0 = _mm256_sign_epi8(u0, u0);
+                    u1 = _mm256_sign_epi8(u1, u1);
+                }
+                s0 = DOTACC(s0, u0, x0);
+                s1 = DOTACC(s1, u1, x1);
+            }
+            __m256i sum = _mm256_add_epi32(s0, s1);
+            const int32_t qsum = (int32_t)s[2 * ib] + (int32_t)s[2 * ib + 1];
+            if (type == T_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * qsum));
+            else if (q8 && HAS_VNNI) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qsum));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx[ib])), acc[r]);
+            if (has_min) off[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dx[ib] * (float)qsum), off[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N, _mm256_add_ps(_mm256_add_ps(acc[r], off[r]), b8));
+}
+
+#define X8_CASE(T, R) \
+    case (T) * 8 + (R): SFX(x8_tile)(T, R, o, nb, K, q, dx, s, b8, y, N); break;
+#define X8_CASES(T) X8_CASE(T, 1) X8_CASE(T, 2) X8_CASE(T, 3) X8_CASE(T, 4)
+TARGET static void SFX(x8_tiles)(int type, int R, const uint8_t *o, int64_t nb, int64_t K, const int8_t *q,
+                                 const float *dx, const int16_t *s, __m256 b8, float *y, int64_t N) {
+    switch (type * 8 + R) {
+        X8_CASES(T_Q4_0)
+        X8_CASES(T_Q4_1)
+        X8_CASES(T_Q8_0)
+    }
+}
+#undef X8_CASES
+#undef X8_CASE
+
 TARGET static void SFX(linear_x8)(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *q,
                                   const float *dx, const int16_t *s, int64_t M, const float *bias, float *y,
                                   int nthreads) {
-    const int64_t nb = K / 32, gb = 8 * block_bytes(type), head = x8_head_bytes(type);
-    const int q8 = type == T_Q8_0, has_min = type == T_Q4_1;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < N / 8; g++) {
-        const uint8_t *base = p + g * nb * gb;
         const __m256 b8 = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int64_t R = M - m0 < ROWS ? M - m0 : ROWS;
-            __m256 acc[ROWS], off[ROWS];
-            for (int64_t r = 0; r < ROWS; r++) acc[r] = off[r] = _mm256_setzero_ps();
-            const uint8_t *o = base;
-            for (int64_t b = 0; b < nb; b++, o += gb) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-                const __m256 mn = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)))
-                                          : _mm256_setzero_ps();
-                __m256i u[8];
-                if (q8) { /* VNNI multiplies unsigned bytes: w + 128, once per block */
-                    for (int j = 0; j < 8; j++) {
-                        u[j] = _mm256_loadu_si256((const __m256i *)(o + head + 32 * j));
-                        if (HAS_VNNI) u[j] = _mm256_xor_si256(u[j], _mm256_set1_epi8((char)0x80));
-                    }
-                } else {
-                    for (int i = 0; i < 4; i++) {
-                        __m256i v = _mm256_loadu_si256((const __m256i *)(o + head + 32 * i));
-                        u[i] = _mm256_and_si256(v, m4);
-                        u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    }
-                }
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t ib = (m0 + r) * nb + b;
-                    const uint8_t *xr = (const uint8_t *)(q + (m0 + r) * K + 32 * b);
-                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j += 2) {
-                        int32_t c0, c1;
-                        memcpy(&c0, xr + 4 * j, 4);
-                        memcpy(&c1, xr + 4 * j + 4, 4);
-                        __m256i x0 = _mm256_set1_epi32(c0), x1 = _mm256_set1_epi32(c1), u0 = u[j], u1 = u[j + 1];
-                        if (q8 && !HAS_VNNI) { /* |w| and the sign on the activation: pairs fit int16 */
-                            x0 = _mm256_sign_epi8(x0, u0);
-                            x1 = _mm256_sign_epi8(x1, u1);
-                            u0 = _mm256_sign_epi8(u0, u0);
-                            u1 = _mm256_sign_epi8(u1, u1);
-                        }
-                        s0 = DOTACC(s0, u0, x0);
-                        s1 = DOTACC(s1, u1, x1);
-                    }
-                    __m256i sum = _mm256_add_epi32(s0, s1);
-                    const int32_t qsum = (int32_t)s[2 * ib] + (int32_t)s[2 * ib + 1];
-                    if (type == T_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * qsum));
-                    else if (q8 && HAS_VNNI) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qsum));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx[ib])), acc[r]);
-                    if (has_min) off[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dx[ib] * (float)qsum), off[r]);
-                }
-            }
-            for (int64_t r = 0; r < R; r++)
-                _mm256_storeu_ps(y + (m0 + r) * N + 8 * g, _mm256_add_ps(_mm256_add_ps(acc[r], off[r]), b8));
-        }
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+            SFX(x8_tiles)(type, (int)(M - m0 < ROWS ? M - m0 : ROWS), p + g * nb * gb, nb, K, q + m0 * K,
+                          dx + m0 * nb, s + 2 * m0 * nb, b8, y + m0 * N + 8 * g, N);
     }
 }
+
 
 static dot_fn SFX(dot_for_type)(int type) {
     switch (type) {
