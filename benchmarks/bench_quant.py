@@ -15,8 +15,9 @@ Arms, each in its own subprocess (peak RSS is the child's own ru_maxrss):
 
 Figures: batch-1 decode tokens/s (one chat prompt, ``--decode-tokens`` new tokens,
 greedy, end of text ignored; tokens / wall time of the whole request, prompt
-included, the same for every arm), offline throughput (``--num-prompts`` chat prompts
-x ``--max-tokens``) for the two Ember arms, peak RSS of each arm, and the ratios
+included, the same for every arm; the best of ``--rounds`` runs, the arms taking
+turns), offline throughput (``--num-prompts`` chat prompts x ``--max-tokens``) for
+the Ember arms, peak RSS of each arm, and the ratios
 the issue asks for: Q4_1 decode / transformers bf16 (bar 5.0), Q4_1 decode /
 llama.cpp (bar 1.0), Q4_1 offline / bf16 offline (bar 1.0). ``--profile`` adds a
 torch profiler table of Ember's decode steps (where a step's time goes).
@@ -249,6 +250,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--skip", nargs="*", default=[], choices=ARMS + ("quality",))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="batch-1 decode runs per arm, arms taking turns; each arm's best counts")
     parser.add_argument("--window", type=int, default=1024, help="perplexity windows (bench_quant_quality.py's)")
     parser.add_argument("--quality-out", default=str(Path(__file__).parent / "results" / "quant_quality.json"))
     parser.add_argument("--arm", help=argparse.SUPPRESS)
@@ -278,21 +281,23 @@ def main() -> None:
     result: dict = {"machine": machine_info(), "model": "SmolLM2-135M-Instruct", "float_dir": float_dir,
                     "native_dir": native_dir, "decode_tokens": args.decode_tokens,
                     "offline": {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens}, "arms": {}}
+    from ember.hardware.cpu_quant import select_prefill
+
+    result["gguf_prefill_mode"] = dict(zip(("mode", "why"), select_prefill()))
     common = {"prompts": ids, "decode_tokens": args.decode_tokens, "max_tokens": args.max_tokens, "pad_id": pad_id}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         arms = result["arms"]
+        specs: dict[str, tuple[dict, str | None]] = {}  # arm -> (spec, python), in running order
         if "ember_q4_1" not in args.skip:
-            arms["ember_q4_1"] = run_arm("ember_q4_1", {**common, "model": native_dir, "offline": True,
-                                                        "profile": args.profile}, work)
+            specs["ember_q4_1"] = ({**common, "model": native_dir, "offline": True, "profile": args.profile}, None)
         if "ember_q4_1_one_row" not in args.skip:
-            arms["ember_q4_1_one_row"] = run_arm("ember_q4_1_one_row", {
-                **common, "model": native_dir, "offline": True, "env": {"EMBER_GGUF_X8": "0"}}, work)
+            specs["ember_q4_1_one_row"] = ({**common, "model": native_dir, "offline": True,
+                                            "env": {"EMBER_GGUF_X8": "0"}}, None)
         if "ember_bf16" not in args.skip:
-            arms["ember_bf16"] = run_arm("ember_bf16", {**common, "model": float_dir, "dtype": "bfloat16",
-                                                        "offline": True}, work)
+            specs["ember_bf16"] = ({**common, "model": float_dir, "dtype": "bfloat16", "offline": True}, None)
         if "transformers_bf16" not in args.skip:
-            arms["transformers_bf16"] = run_arm("transformers_bf16", {**common, "model": float_dir}, work)
+            specs["transformers_bf16"] = ({**common, "model": float_dir}, None)
         if args.llama_cpp and "llama_cpp" not in args.skip:
             python, why = ensure_llama_cpp()
             if python is None:
@@ -300,9 +305,25 @@ def main() -> None:
             else:
                 gguf_path = fetch_default_gguf(work / "gguf", progress=False)
                 result["llama_cpp_cmake_args"] = llama_cpp_cmake_args()[0]
-                arms["llama_cpp"] = run_arm("llama_cpp", {"gguf": str(gguf_path), "prompt": ids[0],
-                                                          "decode_tokens": args.decode_tokens,
-                                                          "threads": cpu_thread_count()}, work, str(python))
+                specs["llama_cpp"] = ({"gguf": str(gguf_path), "prompt": ids[0], "decode_tokens": args.decode_tokens,
+                                       "threads": cpu_thread_count()}, str(python))
+        # Round 1 runs every arm whole; later rounds rerun each arm's batch-1 decode, the
+        # arms taking turns, and each arm's decode figure is its best round: the machine's
+        # noise (other tenants) only ever slows a run, and falls on every arm alike.
+        for round_ in range(args.rounds):
+            for name, (spec, python) in specs.items():
+                if round_ == 0:
+                    arms[name] = run_arm(name, spec, work, python)
+                    if "decode" in arms[name]:
+                        arms[name]["decode_rounds"] = [arms[name]["decode"]["tokens_per_s"]]
+                    continue
+                if "decode" not in arms[name]:
+                    continue
+                again = run_arm(name, {**spec, "offline": False, "profile": False}, work, python)
+                if "decode" in again:
+                    arms[name]["decode_rounds"].append(again["decode"]["tokens_per_s"])
+                    if again["decode"]["tokens_per_s"] > arms[name]["decode"]["tokens_per_s"]:
+                        arms[name]["decode"] = again["decode"]
 
         if "quality" not in args.skip:
             q = run_arm("q4_1_quality", {"model": native_dir, "window": args.window}, work)
@@ -311,11 +332,13 @@ def main() -> None:
             if "perplexity" in q and "float32" in table:
                 q["perplexity_vs_float32"] = q["perplexity"] / table["float32"]["perplexity"]
             q["command"] = f"python benchmarks/bench_quant.py (window {args.window})"
-            exact = os.environ.get("EMBER_GGUF_EXACT_ROWS", "").strip()
-            q["note"] = ("each window is one prefill; " + (
-                f"EMBER_GGUF_EXACT_ROWS={exact}: products of more rows dequantize tiles and run an exact float GEMM"
-                if exact else "every product runs the integer kernels (8-bit activations, the default), as decode "
-                "does") + "; the kernels' bounds against the float model are tested in tests/test_gguf_quant.py")
+            from ember.hardware.cpu_quant import LARGE_ROWS, select_prefill
+
+            mode, why = select_prefill()
+            q["prefill_mode"] = mode
+            q["note"] = (f"each window is one prefill: products of more than {LARGE_ROWS} rows ran in {mode} mode "
+                         f"({why}; bf16: dequantized bfloat16 tiles, int8: the integer kernels, float32: exact "
+                         "float tiles); tests/test_gguf_quant.py bounds each mode against the float model")
             table["q4_1_native"] = q
             quality_path.write_text(json.dumps(table, indent=2) + "\n")
             result["q4_1_native_perplexity"] = q.get("perplexity")
@@ -340,6 +363,8 @@ def main() -> None:
     result["ratios"], result["bars"] = ratios, bars
     for name, arm in result["arms"].items():
         parts = [f"{kind} {arm[kind]['tokens_per_s']:.1f} tok/s" for kind in ("decode", "offline") if kind in arm]
+        if len(arm.get("decode_rounds", [])) > 1:
+            parts[0] += f" (best of {', '.join(f'{r:.1f}' for r in arm['decode_rounds'])})"
         print(f"{name}: {', '.join(parts) or arm.get('error')}; peak RSS {arm.get('peak_rss_mib', 0):.0f} MiB")
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}" + (f" (bar {bars[key]['bar']}: {'met' if bars[key]['met'] else 'NOT met'})"

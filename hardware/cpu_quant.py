@@ -11,9 +11,12 @@ GEMM, which is compute-bound there and faster than integer dot products one row 
 time. ``MAX_KERNEL_ROWS`` is the crossover measured on SmolLM2's shapes.
 
 Weights in the x8 layout (Q4_0, Q4_1, Q8_0, rows a multiple of 8) take the integer
-kernel at every row count, prefill included, as llama.cpp does: it beat dequantize +
-GEMM at every size measured. ``EMBER_GGUF_EXACT_ROWS=N`` sends their products of more
-than N rows to the exact float GEMM instead (``x8_exact_rows``).
+kernel up to ``LARGE_ROWS`` rows. Larger products (prompt chunks, the largest
+batches) run as ``select_prefill`` chose at startup, logged: ``bf16`` (dequantized
+bfloat16 tiles through PyTorch's GEMM) where the CPU multiplies bfloat16 natively
+(avx512_bf16, amx_bf16), else ``int8`` (the integer kernel, as llama.cpp does);
+``EMBER_GGUF_PREFILL=int8|bf16|float32`` forces one, ``float32`` being exact (float
+tiles: the dequantized model's numbers).
 
 Instruction sets (``ISAS``): ``avx512vnni`` (``_mm256_dpbusd_epi32``; x8 products of 5
 rows or more ``_mm512_dpbusd_epi32``, 16 output rows at a time), ``avx2``
@@ -64,13 +67,14 @@ X8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
-# x8 weights take the kernel at every row count unless EMBER_GGUF_EXACT_ROWS says
-# otherwise (x8_exact_rows). On SmolLM2's shapes it beat dequantize + GEMM at every size
-# measured: Intel Xeon (VNNI), 8 to 256 rows (Q4_1 1536x576: 32 rows 0.22 against 0.48
-# ms, 128 rows 0.82 against 1.06; the Q8_0 LM head 49152x576 at 32 rows 7.6 against
-# 47.6 ms); AMD EPYC (AVX-512 VNNI), 128 prompts of 61 tokens on average prefilled in
-# 7.2 s against 14.3 s with exact tiles beyond 128 rows.
-EXACT_ROWS_VARIABLE = "EMBER_GGUF_EXACT_ROWS"
+# x8 weights: the kernel up to this many rows, at least. On SmolLM2's shapes it beat
+# dequantize + float32 GEMM at every size measured: Intel Xeon (VNNI), 8 to 256 rows
+# (Q4_1 1536x576: 32 rows 0.22 against 0.48 ms; the Q8_0 LM head 49152x576 at 32 rows
+# 7.6 against 47.6 ms); AMD EPYC (AVX-512 VNNI), 64 to 2048 rows, 3-4x. Dequantized
+# bfloat16 tiles on that EPYC (avx512_bf16), 30 layers: 128 rows 71 against 44 ms
+# (int8), 256 rows even, 512 rows 184 against 235, 2048 rows 589 against 724.
+LARGE_ROWS = 256
+PREFILL_MODES = ("int8", "bf16", "float32")
 TILE_VALUES = 1 << 22  # weight values dequantized per GEMM tile (16 MiB of float32)
 _TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
 
@@ -99,21 +103,21 @@ def select_isa(flags: set[str] | None = None, environ=os.environ) -> tuple[str, 
     return runnable[0], f"the best this CPU runs (runnable: {', '.join(runnable)})"
 
 
-def x8_exact_rows(environ=os.environ) -> int | None:
-    """``EMBER_GGUF_EXACT_ROWS``: x8 products of more rows than this dequantize tiles and
-    run the exact float GEMM (float activations, the dequantized model's numbers); unset
-    or empty, None: every row count takes the integer kernel. ValueError naming the
-    value unless it is a whole number >= 0."""
-    value = environ.get(EXACT_ROWS_VARIABLE, "").strip()
-    if not value:
-        return None
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"{EXACT_ROWS_VARIABLE}={value!r} is not a whole number of rows >= 0")
-    return rows
+def select_prefill(flags: set[str] | None = None, environ=os.environ) -> tuple[str, str]:
+    """``(mode, why)``: how products of more than ``LARGE_ROWS`` rows run (one of
+    ``PREFILL_MODES``). ``EMBER_GGUF_PREFILL`` if set; else ``bf16`` where the CPU has
+    avx512_bf16 or amx_bf16 (oneDNN's bfloat16 GEMM outruns the integer kernel there),
+    ``int8`` elsewhere (emulated bfloat16 would not). ValueError naming an unknown value."""
+    forced = environ.get("EMBER_GGUF_PREFILL", "auto").strip().lower() or "auto"
+    if forced != "auto":
+        if forced not in PREFILL_MODES:
+            raise ValueError(f"EMBER_GGUF_PREFILL={forced!r} is not one of: auto, {', '.join(PREFILL_MODES)}")
+        return forced, "forced by EMBER_GGUF_PREFILL"
+    flags = cpu_flags() if flags is None else flags
+    native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
+    if native:
+        return "bf16", f"this CPU multiplies bfloat16 natively ({', '.join(native)})"
+    return "int8", "this CPU has no native bfloat16 products (avx512_bf16, amx_bf16)"
 
 
 class QuantKernels:
@@ -299,8 +303,9 @@ class GGUFLinearOp(QuantizedLinearOp):
     def __init__(self) -> None:
         self.kernels = load()
         self._scratch = torch.empty(0)
+        self._scratch_bf16 = torch.empty(0, dtype=torch.bfloat16)
         self.x8 = False
-        self.max_x8_rows = sys.maxsize
+        self.prefill, why = select_prefill()
         if self.kernels is not None:
             self._linear_f32 = self.kernels._linear_f32
             self._linear_x8 = self.kernels._linear_x8
@@ -308,13 +313,9 @@ class GGUFLinearOp(QuantizedLinearOp):
             off = "EMBER_GGUF_X8=0" if os.environ.get("EMBER_GGUF_X8", "1") == "0" else \
                 "ref ISA" if self.kernels.isa == "ref" else None
             self.x8 = off is None
-            exact = x8_exact_rows()
-            if exact is not None:
-                self.max_x8_rows = exact
-            layout = "x8 layout, the integer kernel at " + (
-                "every row count" if exact is None else f"up to {exact} rows, exact float GEMM beyond")
-            logger.info("GGUF %s weights: %s", "/".join(X8_TYPES),
-                        layout if self.x8 else f"as read, one-row kernels ({off})")
+            logger.info("GGUF %s weights: %s; products of more than %d rows: %s (%s)", "/".join(X8_TYPES),
+                        "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", LARGE_ROWS,
+                        self.prefill, why)
 
     def prepare(self, weight):
         if isinstance(weight, PackedGGUFWeight):
@@ -359,7 +360,8 @@ class GGUFLinearOp(QuantizedLinearOp):
     def _segment(self, x, plan, K, bias):
         type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
-        if has_kernel and M <= (self.max_x8_rows if x8 else MAX_KERNEL_ROWS):
+        large = M > LARGE_ROWS
+        if has_kernel and (M <= MAX_KERNEL_ROWS or x8 and (not large or self.prefill == "int8")):
             y = torch.empty(M, N, dtype=torch.float32)
             call = self._linear_x8 if x8 else self._linear_f32
             rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
@@ -370,10 +372,17 @@ class GGUFLinearOp(QuantizedLinearOp):
         kernels = self.kernels
         # many rows: dequantize tiles of weight rows into a reused buffer, F.linear each
         # tile (torch.mm into slices of a transposed output ran 2x slower here), the
-        # buffer bounded for a large LM head; x8 tiles hold whole groups of 8 rows
+        # buffer bounded for a large LM head; x8 tiles hold whole groups of 8 rows. In
+        # bf16 mode a large product rounds each tile and the activations to bfloat16.
         tile = max(8, min(N, TILE_VALUES // K) // 8 * 8)
         if self._scratch.numel() < tile * K:
             self._scratch = torch.empty(tile * K, dtype=torch.float32)
+        half = large and self.prefill == "bf16"
+        if half:
+            if self._scratch_bf16.numel() < tile * K:
+                self._scratch_bf16 = torch.empty(tile * K, dtype=torch.bfloat16)
+            x = x.to(torch.bfloat16)
+            bias = bias.to(torch.bfloat16) if bias is not None else None
         type_name = _TYPE_NAMES[type_id]
         outs = []
         for start in range(0, N, tile):
@@ -386,8 +395,11 @@ class GGUFLinearOp(QuantizedLinearOp):
                 kernels._dequant(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
             else:
                 w.copy_(quant_type(type_name).dequantize(part))
+            if half:
+                w = self._scratch_bf16[: rows * K].view(rows, K).copy_(w)
             outs.append(torch.nn.functional.linear(x, w, None if bias is None else bias[start : start + rows]))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y.float() if half else y
 
 
 def linear_ops() -> dict[str, type[QuantizedLinearOp]]:

@@ -196,21 +196,30 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
     x = torch.randn(20, 256)  # the x8 kernel beyond MAX_KERNEL_ROWS
     reference = torch.nn.functional.linear(x, weight().dequantize())
     assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
-    many = torch.randn(300, 256)  # a prefill: the x8 kernel at every row count by default
+    many = torch.randn(cpu_quant.LARGE_ROWS + 44, 256)  # a prefill: as EMBER_GGUF_PREFILL says
     reference = torch.nn.functional.linear(many, weight().dequantize())
-    assert ((op(many, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
+    large = {}
+    for mode in cpu_quant.PREFILL_MODES:
+        monkeypatch.setenv("EMBER_GGUF_PREFILL", mode)
+        op = cpu_quant.GGUFLinearOp()
+        assert op.prefill == mode
+        large[mode] = got = op(many, op.prepare(weight()))
+        assert got.dtype == torch.float32
+        assert ((got - reference).abs() <= op.max_relative_error * reference.abs().max()).all(), mode
+        if kernels.isa != "ref":  # up to LARGE_ROWS rows, x8 weights take the kernel in every mode
+            x8_only = GGUFWeight([weight().segments[0]], 256)
+            packed = op.prepare(x8_only).segments[0][1]
+            rows = many[:cpu_quant.LARGE_ROWS]
+            assert torch.equal(op(rows, op.prepare(x8_only)), kernels.linear_x8(rows, packed, "Q4_1"))
+    assert torch.allclose(large["float32"], reference, rtol=1e-4, atol=1e-4)  # exact tiles (float32 rounding)
+    assert not torch.allclose(large["bf16"], reference, atol=1e-4)  # bfloat16 tiles and activations
     if kernels.isa != "ref":
-        assert not torch.allclose(op(many, prepared), reference, atol=1e-4)  # 8-bit activations
-    monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", "128")  # beyond 128 rows: exact dequantized tiles, x8 ones too
-    exact = cpu_quant.GGUFLinearOp()
-    assert torch.allclose(exact(many, exact.prepare(weight())), reference, atol=1e-4)
-    assert not torch.allclose(exact(many[:128], exact.prepare(weight())), reference[:128], atol=1e-4) or \
-        kernels.isa == "ref"
-    for bad in ("-1", "many", "1.5"):
-        monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", bad)
-        with pytest.raises(ValueError, match=f"EMBER_GGUF_EXACT_ROWS='{bad}' is not a whole number"):
-            cpu_quant.GGUFLinearOp()
-    monkeypatch.delenv("EMBER_GGUF_EXACT_ROWS")
+        assert not torch.allclose(large["int8"], reference, atol=1e-4)  # 8-bit activations
+        assert not torch.equal(large["int8"], large["bf16"])
+    monkeypatch.setenv("EMBER_GGUF_PREFILL", "fast")
+    with pytest.raises(ValueError, match="EMBER_GGUF_PREFILL='fast' is not one of: auto, int8, bf16, float32"):
+        cpu_quant.GGUFLinearOp()
+    monkeypatch.delenv("EMBER_GGUF_PREFILL")
 
     monkeypatch.setenv("EMBER_GGUF_X8", "0")
     kept = cpu_quant.GGUFLinearOp().prepare(weight())
@@ -224,6 +233,18 @@ def test_native_dequantize_and_many_rows_equal_the_float_linear(kernels, name):
     assert torch.equal(kernels.dequantize(data, name, 512).view(torch.int32), w.view(torch.int32))
     x = torch.randn(cpu_quant.MAX_KERNEL_ROWS + 5, 512)
     assert torch.equal(kernels.linear(x, data, name), torch.nn.functional.linear(x, w))
+
+
+def test_prefill_mode_is_chosen_from_the_cpu_and_can_be_forced():
+    assert cpu_quant.select_prefill({"avx2", "fma", "f16c"}, {})[0] == "int8"
+    assert cpu_quant.select_prefill({"avx2", "avx512f", "avx512_bf16"}, {}) == (
+        "bf16", "this CPU multiplies bfloat16 natively (avx512_bf16)")
+    assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {})[0] == "bf16"
+    assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {"EMBER_GGUF_PREFILL": "Float32 "}) == (
+        "float32", "forced by EMBER_GGUF_PREFILL")
+    assert cpu_quant.select_prefill({"avx2"}, {"EMBER_GGUF_PREFILL": ""})[0] == "int8"
+    with pytest.raises(ValueError, match="EMBER_GGUF_PREFILL='int4'"):
+        cpu_quant.select_prefill(set(), {"EMBER_GGUF_PREFILL": "int4"})
 
 
 def test_isa_selection_and_forcing():
@@ -436,7 +457,7 @@ SMOLLM2_CONVERSATIONS = [
     [{"role": "user", "content": "Give me a Python function that reverses a string."}],
     [{"role": "user", "content": "How many legs does a spider have?"}],
 ]
-TEACHER_TEXT = (  # 153 tokens: one prefill of more than 128 rows
+TEACHER_TEXT = (  # 260 tokens: one prefill of more than LARGE_ROWS rows
     "The Industrial Revolution began in Great Britain in the late eighteenth century. Steam engines, "
     "first used to pump water out of mines, were soon driving looms, mills and locomotives. Cities grew "
     "around the factories, canals and then railways carried coal and cotton across the country, and within "
@@ -444,7 +465,13 @@ TEACHER_TEXT = (  # 153 tokens: one prefill of more than 128 rows
     "Wages in the new mills were low and the hours were long; children worked beside their parents, and "
     "reformers campaigned for decades before laws limited the working day. Historians still argue about "
     "why the change began in Britain: cheap coal, high wages, secure property, a large empire and a "
-    "culture of tinkering craftsmen have all been proposed, and most accounts now combine several of them."
+    "culture of tinkering craftsmen have all been proposed, and most accounts now combine several of them. "
+    "The second wave of industrial change, late in the nineteenth century, was built on steel, chemistry and "
+    "electricity. Bessemer converters made steel cheap enough for rails, ships and bridges; dye works in "
+    "Germany grew into a chemical industry; and power stations, first in New York and London, sent current "
+    "along wires to lamps, trams and motors. Telegraph cables crossed the oceans, so that prices in Liverpool "
+    "and Chicago moved together, and the office, with its typewriters and filing clerks, became a workplace "
+    "as common as the mill."
 )
 
 
@@ -453,22 +480,24 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     """The quantized conversion served natively (Q4_1 layers, Q8_0 LM head) against the
     float32 conversion of the same file (the dequantized model).
 
-    Every product takes the integer kernels (8-bit activations), prompts included (the
-    default; EMBER_GGUF_EXACT_ROWS unset). Decode: the logprob of each token the native
-    run chose, against the float model's for the same token in the same context
-    (teacher-forced), is within 0.08 nat on average, 0.2 at the 95th percentile and 0.6
-    at most over 144 tokens. Prefill (a 153-token text, teacher-forced): the same bounds.
-    Measured on an AMD EPYC (AVX-512 VNNI): decode max 0.50, mean 0.049, p95 0.146;
-    prefill max 0.24, mean 0.055, p95 0.149. Before prompts took the integer kernels
-    (exact prefill), decode measured max 0.22-0.41, mean 0.031-0.035, p95 0.09-0.13 (AMD
-    AVX2, Intel VNNI). The maximum is one token's: 8-bit activations turn a 1e-7
-    difference in summation order into a different rounding of some activation, so
-    which token is worst moves between kernels; the mean and p95 are the stable figures,
-    the max bound is loose on purpose. Greedy texts: where the two runs part, the native
-    run took the float model's second choice at a near tie (under 0.35 nat); measured,
-    3 or 4 of these 6 conversations part. With EMBER_GGUF_EXACT_ROWS=128 (dequantized
-    tiles and a float GEMM beyond 128 rows) the prefill gives the float model's
-    logprobs to 1e-4."""
+    Products of up to 256 rows (LARGE_ROWS) take the integer kernels (8-bit activations);
+    larger ones run as the CPU's prefill mode says (ember.hardware.cpu_quant.
+    select_prefill: bf16 tiles on a CPU with native bfloat16 products, else int8). Decode:
+    the logprob of each token the native run chose, against the float model's for the
+    same token in the same context (teacher-forced), is within 0.08 nat on average, 0.2
+    at the 95th percentile and 0.6 at most over 144 tokens. Prefill (a 260-token text,
+    teacher-forced): the same bounds. Measured on an AMD EPYC (AVX-512 VNNI and BF16):
+    decode max 0.50, mean 0.049, p95 0.146; prefill in bf16 mode max 0.14, mean 0.026,
+    p95 0.060, in int8 mode (EMBER_GGUF_PREFILL=int8) max 0.37, mean 0.057, p95 0.153.
+    Before prompts took these paths (exact prefill), decode measured max 0.22-0.41, mean
+    0.031-0.035, p95 0.09-0.13 (AMD AVX2, Intel VNNI). The maximum is one token's: 8-bit
+    activations turn a 1e-7 difference in summation order into a different rounding of
+    some activation, so which token is worst moves between kernels; the mean and p95 are
+    the stable figures, the max bound is loose on purpose. Greedy texts: where the two
+    runs part, the native run took the float model's second choice at a near tie (under
+    0.35 nat); measured, 3 or 4 of these 6 conversations part. With
+    EMBER_GGUF_PREFILL=float32 (dequantized float32 tiles) the prefill gives the float
+    model's logprobs to 1e-4."""
     from ember import LLM, SamplingParams
     from ember.weights import convert_gguf_to_hf
 
@@ -486,11 +515,10 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     teacher_ids = llm.get_tokenizer().encode(TEACHER_TEXT)
     native_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
     del llm
-    monkeypatch.setenv("EMBER_GGUF_EXACT_ROWS", "128")
+    monkeypatch.setenv("EMBER_GGUF_PREFILL", "float32")
     llm = LLM(str(native_dir), **kwargs)
     exact_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
     del llm
-    monkeypatch.delenv("EMBER_GGUF_EXACT_ROWS")
 
     llm = LLM(str(smollm2_dir), **kwargs)
     reference = llm.chat(SMOLLM2_CONVERSATIONS, greedy_params)
@@ -511,7 +539,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in reference], near_tie=0.35,
     )
     assert parted <= 4
-    assert len(teacher_ids) > 128
+    assert len(teacher_ids) > cpu_quant.LARGE_ROWS
 
     def prefill_diffs(run):
         return [abs(a[t].logprob - b[t].logprob)
@@ -520,5 +548,5 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     prefill = prefill_diffs(native_teacher)
     summary = (max(prefill), np.mean(prefill), np.percentile(prefill, 95))
     assert max(prefill) < 0.6 and np.mean(prefill) < 0.08 and np.percentile(prefill, 95) < 0.2, summary
-    assert max(prefill) > 1e-3  # 8-bit activations: not the float path
+    assert max(prefill) > 1e-3  # 8-bit activations or bfloat16 tiles: not the float32 path
     assert max(prefill_diffs(exact_teacher)) < 1e-4

@@ -299,6 +299,11 @@ typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const in
 /* one weight row against R <= ROWS activation rows (q, dx, fs of row r at r K, r K/32,
  * r K/32): R dot products into out, each the number dot_fn gives for that row alone */
 #define ROWS 4
+/* x8 products run their activation rows in blocks of this many, each block against
+ * every weight group before the next: the block's 8-bit activations (256 x K bytes)
+ * stay in the core's cache while the weights stream past, where a prefill of thousands
+ * of rows re-read all of them from memory once per group */
+#define X8_M_BLOCK 256
 typedef void (*rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *);
 
 /* ---- 8 rows interleaved (x8) ------------------------------------------------------------
@@ -597,16 +602,20 @@ TARGET_Z static void linear_x8_zmm(int type, const uint8_t *p, int64_t N, int64_
                                           const float *dx, const int16_t *s, int64_t M, const float *bias, float *y,
                                           int nthreads) {
     const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
-        const int64_t g = 2 * pair;
-        const int whole = g + 1 < groups;
-        const __mmask16 keep = whole ? 0xffff : 0x00ff;
-        const uint8_t *lo = p + g * nb * gb, *hi = whole ? lo + nb * gb : lo;
-        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS_Z)
-            x8z_tiles(type, (int)(M - m0 < ROWS_Z ? M - m0 : ROWS_Z), lo, hi, nb, K, q + m0 * K, dx + m0 * nb,
-                      s + 2 * m0 * nb, keep, b16, y + m0 * N + 8 * g, N);
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t mb = 0; mb < M; mb += X8_M_BLOCK) {
+        const int64_t me = M - mb < X8_M_BLOCK ? M : mb + X8_M_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+            const int64_t g = 2 * pair;
+            const int whole = g + 1 < groups;
+            const __mmask16 keep = whole ? 0xffff : 0x00ff;
+            const uint8_t *lo = p + g * nb * gb, *hi = whole ? lo + nb * gb : lo;
+            const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+            for (int64_t m0 = mb; m0 < me; m0 += ROWS_Z)
+                x8z_tiles(type, (int)(me - m0 < ROWS_Z ? me - m0 : ROWS_Z), lo, hi, nb, K, q + m0 * K, dx + m0 * nb,
+                          s + 2 * m0 * nb, keep, b16, y + m0 * N + 8 * g, N);
+        }
     }
 }
 
@@ -949,12 +958,16 @@ TARGET static void SFX(linear_x8)(int type, const uint8_t *p, int64_t N, int64_t
                                   const float *dx, const int16_t *s, int64_t M, const float *bias, float *y,
                                   int nthreads) {
     const int64_t nb = K / 32, gb = 8 * block_bytes(type);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < N / 8; g++) {
-        const __m256 b8 = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-            SFX(x8_tiles)(type, (int)(M - m0 < ROWS ? M - m0 : ROWS), p + g * nb * gb, nb, K, q + m0 * K,
-                          dx + m0 * nb, s + 2 * m0 * nb, b8, y + m0 * N + 8 * g, N);
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t mb = 0; mb < M; mb += X8_M_BLOCK) {
+        const int64_t me = M - mb < X8_M_BLOCK ? M : mb + X8_M_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < N / 8; g++) {
+            const __m256 b8 = bias ? _mm256_loadu_ps(bias + 8 * g) : _mm256_setzero_ps();
+            for (int64_t m0 = mb; m0 < me; m0 += ROWS)
+                SFX(x8_tiles)(type, (int)(me - m0 < ROWS ? me - m0 : ROWS), p + g * nb * gb, nb, K, q + m0 * K,
+                              dx + m0 * nb, s + 2 * m0 * nb, b8, y + m0 * N + 8 * g, N);
+        }
     }
 }
 
