@@ -57,14 +57,14 @@ class LlamaAttention(nn.Module):
         self.attn = attention
 
     def forward(self, positions, hidden, kv_cache, attn_metadata, rotary: RotaryEmbedding):
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj.forward(hidden).split(self.sizes, dim=-1)
         num_tokens = hidden.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rotary.forward(positions, q, k)
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -85,7 +85,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,14 +97,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions, hidden, residual, kv_cache, attn_metadata, rotary):
+        # .forward, not __call__, on the hot path: nn.Module.__call__'s hook checks cost
+        # about 2 us a call, 11 calls a layer (Ember registers no hooks)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, rotary)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(positions, hidden, kv_cache, attn_metadata, rotary)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
 
 
 class LlamaForCausalLM(BaseCausalLM):
@@ -180,8 +182,10 @@ class LlamaForCausalLM(BaseCausalLM):
 
     def run_layers(self, positions, hidden, residual, kv_caches, attn_metadata):
         """This rank's layers (``layer_range``) over ``hidden`` (and the running residual, None before the first)."""
-        for layer, kv_cache in zip(self.layers[self.layer_range[0] : self.layer_range[1]], kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, self.rotary)
+        start, end = self.layer_range
+        layers = self.layers if (start, end) == (0, len(self.layers)) else self.layers[start:end]
+        for layer, kv_cache in zip(layers, kv_caches):
+            hidden, residual = layer.forward(positions, hidden, residual, kv_cache, attn_metadata, self.rotary)
         return hidden, residual
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
