@@ -15,9 +15,9 @@ Arms, each in its own subprocess (peak RSS is the child's own ru_maxrss):
 
 Figures: batch-1 decode tokens/s (one chat prompt, ``--decode-tokens`` new tokens,
 greedy, end of text ignored; tokens / wall time of the whole request, prompt
-included, the same for every arm; the best of ``--rounds`` runs, the arms taking
-turns), offline throughput (``--num-prompts`` chat prompts x ``--max-tokens``) for
-the Ember arms, peak RSS of each arm, and the ratios
+included, the same for every arm), offline throughput (``--num-prompts`` chat prompts
+x ``--max-tokens``) for the Ember arms, each the arm's best of ``--rounds`` runs with
+the arms taking turns, peak RSS of each arm, and the ratios
 the issue asks for: Q4_1 decode / transformers bf16 (bar 5.0), Q4_1 decode /
 llama.cpp (bar 1.0), Q4_1 offline / bf16 offline (bar 1.0). ``--profile`` adds a
 torch profiler table of Ember's decode steps (where a step's time goes).
@@ -251,7 +251,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--skip", nargs="*", default=[], choices=ARMS + ("quality",))
     parser.add_argument("--rounds", type=int, default=3,
-                        help="batch-1 decode runs per arm, arms taking turns; each arm's best counts")
+                        help="runs per arm, the arms taking turns; each arm's best figures count")
     parser.add_argument("--window", type=int, default=1024, help="perplexity windows (bench_quant_quality.py's)")
     parser.add_argument("--quality-out", default=str(Path(__file__).parent / "results" / "quant_quality.json"))
     parser.add_argument("--arm", help=argparse.SUPPRESS)
@@ -307,23 +307,25 @@ def main() -> None:
                 result["llama_cpp_cmake_args"] = llama_cpp_cmake_args()[0]
                 specs["llama_cpp"] = ({"gguf": str(gguf_path), "prompt": ids[0], "decode_tokens": args.decode_tokens,
                                        "threads": cpu_thread_count()}, str(python))
-        # Round 1 runs every arm whole; later rounds rerun each arm's batch-1 decode, the
-        # arms taking turns, and each arm's decode figure is its best round: the machine's
-        # noise (other tenants) only ever slows a run, and falls on every arm alike.
+        # Every arm runs --rounds times, the arms taking turns, and each figure (decode,
+        # offline) is the arm's best round: the machine's noise (other tenants) only ever
+        # slows a run, and falls on every arm alike.
         for round_ in range(args.rounds):
             for name, (spec, python) in specs.items():
                 if round_ == 0:
                     arms[name] = run_arm(name, spec, work, python)
-                    if "decode" in arms[name]:
-                        arms[name]["decode_rounds"] = [arms[name]["decode"]["tokens_per_s"]]
+                    for kind in ("decode", "offline"):
+                        if kind in arms[name]:
+                            arms[name][f"{kind}_rounds"] = [arms[name][kind]["tokens_per_s"]]
                     continue
                 if "decode" not in arms[name]:
                     continue
-                again = run_arm(name, {**spec, "offline": False, "profile": False}, work, python)
-                if "decode" in again:
-                    arms[name]["decode_rounds"].append(again["decode"]["tokens_per_s"])
-                    if again["decode"]["tokens_per_s"] > arms[name]["decode"]["tokens_per_s"]:
-                        arms[name]["decode"] = again["decode"]
+                again = run_arm(name, {**spec, "profile": False}, work, python)
+                for kind in ("decode", "offline"):
+                    if kind in again and kind in arms[name]:
+                        arms[name][f"{kind}_rounds"].append(again[kind]["tokens_per_s"])
+                        if again[kind]["tokens_per_s"] > arms[name][kind]["tokens_per_s"]:
+                            arms[name][kind] = again[kind]
 
         if "quality" not in args.skip:
             q = run_arm("q4_1_quality", {"model": native_dir, "window": args.window}, work)
@@ -362,9 +364,12 @@ def main() -> None:
                 bars[key] = {"bar": bar, "met": ratios[key] >= bar}
     result["ratios"], result["bars"] = ratios, bars
     for name, arm in result["arms"].items():
-        parts = [f"{kind} {arm[kind]['tokens_per_s']:.1f} tok/s" for kind in ("decode", "offline") if kind in arm]
-        if len(arm.get("decode_rounds", [])) > 1:
-            parts[0] += f" (best of {', '.join(f'{r:.1f}' for r in arm['decode_rounds'])})"
+        parts = []
+        for kind in ("decode", "offline"):
+            if kind in arm:
+                rounds = arm.get(f"{kind}_rounds", [])
+                parts.append(f"{kind} {arm[kind]['tokens_per_s']:.1f} tok/s" + (
+                    f" (best of {', '.join(f'{r:.1f}' for r in rounds)})" if len(rounds) > 1 else ""))
         print(f"{name}: {', '.join(parts) or arm.get('error')}; peak RSS {arm.get('peak_rss_mib', 0):.0f} MiB")
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}" + (f" (bar {bars[key]['bar']}: {'met' if bars[key]['met'] else 'NOT met'})"

@@ -129,9 +129,23 @@ def main() -> int:
         "mean_accepted_length": emitted / proposals if proposals else 0.0,
     }
     batch1["ratio"] = batch1["ngram_tokens_per_s"] / batch1["plain_tokens_per_s"]
+    # Where the ratio comes from: each step emits one token plus its accepted drafts, so
+    # the ngram arm took tokens - accepted steps (prefills included), `proposals` of them
+    # verifications. Were a verification as cheap as a decode step, the ratio would be
+    # the step ratio; the time ratio then says what a verification costs, in decode
+    # steps (prefill time counted as steps of both arms: a slight underestimate).
+    steps = tokens["ngram"] - accepted
+    batch1["steps"] = {"plain": tokens["plain"], "ngram": steps, "verifications": proposals,
+                       "undrafted": steps - proposals}
+    batch1["ratio_if_verification_cost_a_decode_step"] = tokens["plain"] / steps
+    batch1["verification_cost_in_decode_steps"] = (
+        seconds["ngram"] / seconds["plain"] * tokens["plain"] - (steps - proposals)) / proposals if proposals else None
     print(f"batch 1: {batch1['plain_tokens_per_s']:.1f} -> {batch1['ngram_tokens_per_s']:.1f} tok/s "
           f"(x{batch1['ratio']:.2f}); acceptance {batch1['acceptance_rate']:.2f}, mean accepted length "
           f"{batch1['mean_accepted_length']:.2f}; {identical}/{len(prompts)} outputs identical", flush=True)
+    print(f"  steps: {steps} against {tokens['plain']} ({proposals} verifications, {steps - proposals} with nothing "
+          f"to draft): x{batch1['ratio_if_verification_cost_a_decode_step']:.2f} if a verification cost a decode "
+          f"step; it cost {batch1['verification_cost_in_decode_steps'] or 0:.2f}", flush=True)
 
     many = (prompts * (args.concurrency // len(prompts) + 1))[: args.concurrency]
     concurrent = {}
