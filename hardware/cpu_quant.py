@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from ember.hardware import cpu_kernels
-from ember.hardware.cpu_paths import cpu_flags
+from ember.hardware.cpu_paths import cpu_flags, select_path
 from ember.hardware.trusted_library import UntrustedKernelError, load_checked
 from ember.quantization import QuantizedLinearOp, QuantizedWeight
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
@@ -105,19 +105,17 @@ def select_isa(flags: set[str] | None = None, environ=os.environ) -> tuple[str, 
 
 def select_prefill(flags: set[str] | None = None, environ=os.environ) -> tuple[str, str]:
     """``(mode, why)``: how products of more than ``LARGE_ROWS`` rows run (one of
-    ``PREFILL_MODES``). ``EMBER_GGUF_PREFILL`` if set; else ``bf16`` where the CPU has
-    avx512_bf16 or amx_bf16 (oneDNN's bfloat16 GEMM outruns the integer kernel there),
-    ``int8`` elsewhere (emulated bfloat16 would not). ValueError naming an unknown value."""
+    ``PREFILL_MODES``). ``EMBER_GGUF_PREFILL`` if set; else ``bf16`` where the CPU
+    backend runs bf16 models on its bf16 path (``cpu_paths.select_path``: AMX or
+    AVX512-BF16, where oneDNN's bfloat16 GEMM outruns the integer kernel), ``int8``
+    elsewhere (emulated bfloat16 would not). ValueError naming an unknown value."""
     forced = environ.get("EMBER_GGUF_PREFILL", "auto").strip().lower() or "auto"
     if forced != "auto":
         if forced not in PREFILL_MODES:
             raise ValueError(f"EMBER_GGUF_PREFILL={forced!r} is not one of: auto, {', '.join(PREFILL_MODES)}")
         return forced, "forced by EMBER_GGUF_PREFILL"
-    flags = cpu_flags() if flags is None else flags
-    native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
-    if native:
-        return "bf16", f"this CPU multiplies bfloat16 natively ({', '.join(native)})"
-    return "int8", "this CPU has no native bfloat16 products (avx512_bf16, amx_bf16)"
+    path, why = select_path(flags, environ)
+    return ("bf16" if path == "bf16" else "int8"), f"the CPU backend's {path} path: {why}"
 
 
 class QuantKernels:

@@ -238,7 +238,8 @@ def test_native_dequantize_and_many_rows_equal_the_float_linear(kernels, name):
 def test_prefill_mode_is_chosen_from_the_cpu_and_can_be_forced():
     assert cpu_quant.select_prefill({"avx2", "fma", "f16c"}, {})[0] == "int8"
     assert cpu_quant.select_prefill({"avx2", "avx512f", "avx512_bf16"}, {}) == (
-        "bf16", "this CPU multiplies bfloat16 natively (avx512_bf16)")
+        "bf16", "the CPU backend's bf16 path: the CPU has AVX512-BF16")
+    assert cpu_quant.select_prefill({"avx2", "avx512_bf16"}, {"EMBER_CPU_PATH": "fp32"})[0] == "int8"
     assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {})[0] == "bf16"
     assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {"EMBER_GGUF_PREFILL": "Float32 "}) == (
         "float32", "forced by EMBER_GGUF_PREFILL")
