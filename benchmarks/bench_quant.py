@@ -281,7 +281,7 @@ def main() -> None:
     result: dict = {"machine": machine_info(), "model": "SmolLM2-135M-Instruct", "float_dir": float_dir,
                     "native_dir": native_dir, "decode_tokens": args.decode_tokens,
                     "offline": {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens}, "arms": {}}
-    from ember.hardware.cpu_quant import select_prefill
+    from ember.hardware.cpu_quant import LARGE_ROWS, select_prefill
 
     result["gguf_prefill_mode"] = dict(zip(("mode", "why"), select_prefill()))
     common = {"prompts": ids, "decode_tokens": args.decode_tokens, "max_tokens": args.max_tokens, "pad_id": pad_id}
@@ -334,9 +334,7 @@ def main() -> None:
             if "perplexity" in q and "float32" in table:
                 q["perplexity_vs_float32"] = q["perplexity"] / table["float32"]["perplexity"]
             q["command"] = f"python benchmarks/bench_quant.py (window {args.window})"
-            from ember.hardware.cpu_quant import LARGE_ROWS, select_prefill
-
-            mode, why = select_prefill()
+            mode, why = result["gguf_prefill_mode"]["mode"], result["gguf_prefill_mode"]["why"]
             q["prefill_mode"] = mode
             q["note"] = (f"each window is one prefill: products of more than {LARGE_ROWS} rows ran in {mode} mode "
                          f"({why}; bf16: dequantized bfloat16 tiles, int8: the integer kernels, float32: exact "

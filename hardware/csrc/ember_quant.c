@@ -520,9 +520,7 @@ static void *act_blocks(const float *x, int64_t M, int64_t K, int nthreads, int8
  * layers streamed from memory: 1 row 2.9 against 3.7 ms, 4 rows 4.4 against 5.0; 6 rows
  * 4.7 against 5.2, 16 rows 10.8 against 17.3). */
 #define ROWS_Z 6
-#ifndef X8Z_MIN_ROWS
 #define X8Z_MIN_ROWS 5
-#endif
 #define TARGET_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 TARGET_Z INLINE __m512i load_pair(const uint8_t *lo, const uint8_t *hi) {
