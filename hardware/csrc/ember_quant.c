@@ -508,10 +508,11 @@ static void *act_blocks(const float *x, int64_t M, int64_t K, int nthreads, int8
     return scratch;
 }
 
-/* The x8 layout on AVX-512 (the avx512vnni ISA's linear_x8): two groups of 8 rows side by
- * side in one 512-bit register (lanes 0-7 group g, 8-15 group g + 1; a lone last group
- * fills both halves and only the low one is stored), so one _mm512_dpbusd_epi32 gives 16 output rows' partial sums
- * where linear_x8_avx2's 256-bit products give 8. Q4_0's -8 and Q8_0's +128 (VNNI
+/* The x8 layout on AVX-512 (the avx512vnni ISA's products of X8Z_MIN_ROWS rows or more):
+ * two groups of 8 rows side by side in one 512-bit register (lanes 0-7 group g, 8-15
+ * group g + 1; a lone last group fills both halves and only the low one is stored), so
+ * one _mm512_dpbusd_epi32 gives 16 output rows' partial sums where the 256-bit kernels'
+ * products give 8. Q4_0's -8 and Q8_0's +128 (VNNI
  * multiplies unsigned bytes: w + 128, once per block) come off the integer sums exactly,
  * via the activation's block sums; the integer sums are exact in both kernels and each
  * lane's float operations run in linear_x8_avx2's order, so every output equals its bit
