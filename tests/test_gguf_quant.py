@@ -94,7 +94,18 @@ def kernels():
     loaded = cpu_quant.load()
     if loaded is None:
         pytest.skip("native GGUF kernels cannot be built here (no AVX2/FMA or no C compiler)")
+    if "amx" in cpu_quant.runnable_isas(cpu_flags()):
+        loaded.amx_granted()  # whatever ISA was selected, the amx one's tests need the tile state
     return loaded
+
+
+@pytest.fixture()
+def amx(kernels):
+    if "amx" not in RUNNABLE_ISAS:
+        pytest.skip("this CPU has no AMX-INT8 (amx_tile, amx_int8): the AMX kernels cannot run here")
+    if not kernels.amx_granted():
+        pytest.skip("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+    return kernels
 
 
 RUNNABLE_ISAS = cpu_quant.runnable_isas(cpu_flags())
@@ -175,6 +186,109 @@ def test_the_x8_layout_holds_the_same_numbers_and_multiplies_like_the_one_row_ke
         kernels.repack_x8(torch.from_numpy(random_blocks(name, 12, 64, seed=0)), name, 64)
 
 
+AMX_SHAPES = [(8, 32), (24, 96), (40, 576), (64, 1536)]  # 1, 3 (a lone last group), 5 and 8 groups
+
+
+@pytest.mark.parametrize("name", cpu_quant.X8_TYPES)
+def test_amx_int8_tiles_equal_the_avx512_kernels_bit_for_bit(amx, name):
+    """From AMX_MIN_ROWS rows the amx ISA multiplies x8 weights on AMX-INT8 tiles: the
+    integer sums are exact and each output's float operations run in the 512-bit
+    kernel's order, so every output equals avx512vnni's bit for bit, for any row count
+    (padding to tiles of 16 rows included) and a lone last group of 8 rows."""
+    assert cpu_quant.AMX_MIN_ROWS == 64
+    for seed, (out_features, in_features) in enumerate(AMX_SHAPES):
+        data = torch.from_numpy(random_blocks(name, out_features, in_features, seed=seed))
+        packed = amx.repack_x8(data, name, in_features)
+        bias = torch.randn(out_features)
+        x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(seed)) * 3
+        for rows in (64, 65, 79, 128, 300):
+            tiles = amx.linear_x8(x[:rows], packed, name, bias, isa="amx")
+            vnni = amx.linear_x8(x[:rows], packed, name, bias, isa="avx512vnni")
+            assert torch.equal(tiles.view(torch.int32), vnni.view(torch.int32)), (name, out_features, in_features, rows)
+        assert torch.equal(amx.linear_x8(x[:64], packed, name, None, isa="amx"),
+                           amx.linear_x8(x[:64], packed, name, None, isa="avx512vnni"))
+
+
+@pytest.mark.parametrize("name", cpu_quant.X8_TYPES)
+def test_amx_bf16_tiles_multiply_the_bfloat16_rounded_operands(amx, name):
+    """The AMX-BF16 kernel multiplies the weight's dequantized numbers and the
+    activations, each rounded to bfloat16 (nearest even), with float32 sums: within
+    float32 rounding (1e-5 of sum |w x|) of the float64 product of those operands, for
+    any row count, with and without a bias, a lone last group included; and it is the
+    bf16 mode's numbers (a bfloat16 GEMM on the dequantized weight) to bfloat16's
+    output rounding, which the tiles do not apply."""
+    for seed, (out_features, in_features) in enumerate(AMX_SHAPES):
+        data = torch.from_numpy(random_blocks(name, out_features, in_features, seed=seed))
+        packed = amx.repack_x8(data, name, in_features)
+        w = gguf_quants.dequantize(data, name).bfloat16().double()
+        bias = torch.randn(out_features)
+        for rows in (1, 17, 128, 300):
+            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed)) * 3
+            xb = x.bfloat16().double()
+            for b in (bias, None):
+                got = amx.linear_x8_bf16(x, packed, name, b).double()
+                want = xb @ w.T + (b.double() if b is not None else 0)
+                bound = 1e-5 * (xb.abs() @ w.abs().T) + 1e-6 * (b.abs().double() if b is not None else 0)
+                assert ((got - want).abs() <= bound).all(), (name, out_features, in_features, rows)
+            # got is the bias-free product here: oneDNN's differs by its bfloat16 output
+            # rounding (half a unit, 2**-9 relative) and its summation order
+            onednn = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).double()
+            assert ((got - onednn).abs() <= 2 ** -8 * got.abs() + 2e-5 * (xb.abs() @ w.abs().T)).all(), rows
+
+
+def test_amx_products_refuse_to_run_before_linux_grants_the_tiles(kernels):
+    """The amx ISA's products check, in C, that ember_quant_amx_init succeeded: without
+    it a tile instruction would kill the process with SIGILL. A fresh process that loads
+    the library without asking gets a RuntimeError naming the reason (on any CPU: the
+    check comes before any tile instruction)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from ember.hardware.cpu_quant import QuantKernels
+from ember.hardware.trusted_library import load_checked
+from pathlib import Path
+k = QuantKernels(load_checked(Path({str(kernels.path)!r})), None, "avx512vnni")
+packed = torch.zeros(16, 68, dtype=torch.uint8)
+for call in (lambda: k.linear_x8(torch.zeros(64, 64), packed, "Q8_0", isa="amx"),
+             lambda: k.linear_x8_bf16(torch.zeros(64, 64), packed, "Q8_0")):
+    try:
+        call()
+    except RuntimeError as exc:
+        print("refused:", "not granted" in str(exc))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["refused: True", "refused: True"], proc.stdout
+
+
+def test_the_op_runs_amx_tiles_as_the_prefill_mode_says(amx, monkeypatch):
+    """On the amx ISA: decode-sized products take the VNNI kernels, from AMX_MIN_ROWS
+    rows the AMX-INT8 tiles (the same numbers), and in bf16 mode from AMX_BF16_ROWS
+    rows the AMX-BF16 tiles; in int8 mode every product of x8 weights stays on 8-bit
+    activations, bit for bit the avx512vnni kernels' at every row count."""
+    from ember.plugins.quantizers.gguf import GGUFWeight
+
+    data = torch.from_numpy(random_blocks("Q4_1", 48, 256, seed=4))
+    packed = amx.repack_x8(data, "Q4_1", 256)
+    x = torch.randn(cpu_quant.LARGE_ROWS + 40, 256)
+    monkeypatch.setattr(amx, "isa", "amx")
+    for mode in ("bf16", "int8"):
+        monkeypatch.setenv("EMBER_GGUF_PREFILL", mode)
+        op = cpu_quant.GGUFLinearOp()
+        weight = op.prepare(GGUFWeight([("Q4_1", data)], 256))
+        for rows in (3, cpu_quant.AMX_MIN_ROWS, cpu_quant.AMX_BF16_ROWS, len(x)):
+            got = op(x[:rows], weight)
+            vnni = amx.linear_x8(x[:rows], packed, "Q4_1", isa="avx512vnni")
+            if mode == "bf16" and rows >= cpu_quant.AMX_BF16_ROWS:
+                assert op.amx_bf16_rows == cpu_quant.AMX_BF16_ROWS
+                assert torch.equal(got, amx.linear_x8_bf16(x[:rows], packed, "Q4_1")), rows
+                assert not torch.equal(got, vnni)
+            else:
+                assert torch.equal(got, vnni), (mode, rows)
+
+
 def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
     from ember.plugins.quantizers.gguf import GGUFWeight
 
@@ -206,11 +320,14 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
         large[mode] = got = op(many, op.prepare(weight()))
         assert got.dtype == torch.float32
         assert ((got - reference).abs() <= op.max_relative_error * reference.abs().max()).all(), mode
-        if kernels.isa != "ref":  # up to LARGE_ROWS rows, x8 weights take the kernel in every mode
+        if kernels.isa != "ref":  # up to LARGE_ROWS rows, x8 weights take the integer kernel in every
+            # mode, except in bf16 mode on the amx ISA: from AMX_BF16_ROWS rows the AMX-BF16 tiles
             x8_only = GGUFWeight([weight().segments[0]], 256)
             packed = op.prepare(x8_only).segments[0][1]
             rows = many[:cpu_quant.LARGE_ROWS]
-            assert torch.equal(op(rows, op.prepare(x8_only)), kernels.linear_x8(rows, packed, "Q4_1"))
+            want = kernels.linear_x8_bf16(rows, packed, "Q4_1") if len(rows) >= op.amx_bf16_rows else \
+                kernels.linear_x8(rows, packed, "Q4_1")
+            assert torch.equal(op(rows, op.prepare(x8_only)), want)
     assert torch.allclose(large["float32"], reference, rtol=1e-4, atol=1e-4)  # exact tiles (float32 rounding)
     assert not torch.allclose(large["bf16"], reference, atol=1e-4)  # bfloat16 tiles and activations
     if kernels.isa != "ref":
@@ -251,8 +368,14 @@ def test_prefill_mode_is_chosen_from_the_cpu_and_can_be_forced():
 def test_isa_selection_and_forcing():
     avx2 = {"avx2", "fma", "f16c"}
     vnni = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    amx = vnni | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"}
     assert cpu_quant.select_isa(avx2, {})[0] == "avx2"
     assert cpu_quant.select_isa(vnni, {})[0] == "avx512vnni"
+    assert cpu_quant.select_isa(amx, {}) == ("amx", "the best this CPU runs (runnable: amx, avx512vnni, avx2, ref)")
+    assert cpu_quant.select_isa(amx, {"EMBER_QUANT_ISA": "avx512vnni"})[0] == "avx512vnni"
+    assert cpu_quant.select_isa(vnni | {"amx_bf16", "amx_tile"}, {})[0] == "avx512vnni"  # no AMX-INT8
+    with pytest.raises(ValueError, match="EMBER_QUANT_ISA='amx': this CPU lacks amx_tile, amx_int8"):
+        cpu_quant.select_isa(vnni, {"EMBER_QUANT_ISA": "amx"})
     assert cpu_quant.select_isa(vnni, {"EMBER_QUANT_ISA": "ref"}) == ("ref", "forced by EMBER_QUANT_ISA")
     with pytest.raises(ValueError, match="EMBER_QUANT_ISA='avx512vnni': this CPU lacks avx512f"):
         cpu_quant.select_isa(avx2, {"EMBER_QUANT_ISA": "avx512vnni"})

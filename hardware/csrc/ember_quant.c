@@ -31,11 +31,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
-enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+/* ISA_AMX is avx512vnni's kernels plus AMX-INT8 tiles for x8 products of AMX_MIN_ROWS rows or more */
+enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_AMX = 3 };
 
 /* IEEE half -> float, exact (subnormals, infinities and NaN too) */
 INLINE float f16(const uint8_t *p) {
@@ -379,12 +382,14 @@ __attribute__((target("avx2,fma,f16c"))) static int dequant_row_avx2(int type, c
 }
 
 static dot_fn simd_dot(int isa, int type) {
+    if (isa == ISA_AMX) isa = ISA_AVX512VNNI; /* tiles only for x8 products */
     if (isa == ISA_AVX2) return dot_for_type_avx2(type);
     if (isa == ISA_AVX512VNNI) return dot_for_type_avx512vnni(type);
     return 0;
 }
 
 static rows_fn simd_rows(int isa, int type) {
+    if (isa == ISA_AMX) isa = ISA_AVX512VNNI;
     if (isa == ISA_AVX2) return rows_for_type_avx2(type);
     if (isa == ISA_AVX512VNNI) return rows_for_type_avx512vnni(type);
     return 0;
@@ -495,17 +500,40 @@ int ember_quant_dequant_x8(int type, const uint8_t *p, int64_t N, int64_t K, flo
     return failed ? -2 : 0;
 }
 
-/* float32 x (M, K) as ember_quant_act's blocks in one malloc'd buffer (returned, for
- * free; 0 when out of memory): q int8 (M, K), dx (M, K/32), s (M, K/16) */
-static void *act_blocks(const float *x, int64_t M, int64_t K, int nthreads, int8_t **q, float **dx, int16_t **s) {
-    size_t nq = (size_t)(M * K);
-    void *scratch = malloc(nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
-    if (!scratch) return 0;
-    *q = scratch;
+/* The products' per-call buffers (8-bit activations, tiles) come from here: one buffer
+ * per slot and calling thread, kept and grown, never freed (the largest product's: a few
+ * MiB for a prompt). A fresh malloc beyond glibc's mmap threshold (128 KiB: 128 rows of
+ * 1536 columns already) is new pages on every call, and on this project's virtual
+ * machines their faults cost as much as the product: a 128-row AMX-BF16 product of
+ * 1536 x 576 took 0.59 ms with malloc/free per call against 0.31 ms without (Intel Xeon,
+ * one thread). 0 when out of memory. */
+static _Thread_local void *scratch_buf[2];
+static _Thread_local size_t scratch_cap[2];
+static void *scratch(int slot, size_t bytes) {
+    if (bytes > scratch_cap[slot]) {
+        free(scratch_buf[slot]);
+        scratch_buf[slot] = malloc(bytes);
+        scratch_cap[slot] = scratch_buf[slot] ? bytes : 0;
+    }
+    return scratch_buf[slot];
+}
+
+/* float32 x (M, K) as ember_quant_act's blocks in scratch slot 0 (returned; 0 when out
+ * of memory): q int8 (Mp, K), dx (Mp, K/32), s (Mp, K/16), the rows
+ * past M (Mp >= M: AMX tiles take 16) all zeros */
+static void *act_blocks(const float *x, int64_t M, int64_t Mp, int64_t K, int nthreads, int8_t **q, float **dx,
+                        int16_t **s) {
+    size_t nq = (size_t)(Mp * K), nx = (size_t)(M * K);
+    void *buf = scratch(0, nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
+    if (!buf) return 0;
+    *q = buf;
     *dx = (float *)(*q + nq);
     *s = (int16_t *)(*dx + nq / 32);
     ember_quant_act(x, M, K, *q, *dx, *s, nthreads);
-    return scratch;
+    memset(*q + nx, 0, nq - nx);
+    memset(*dx + nx / 32, 0, (nq - nx) / 32 * sizeof(float));
+    memset(*s + nx / 16, 0, (nq - nx) / 16 * sizeof(int16_t));
+    return buf;
 }
 
 /* The x8 layout on AVX-512 (the avx512vnni ISA's products of X8Z_MIN_ROWS rows or more):
@@ -618,33 +646,386 @@ TARGET_Z static void linear_x8_zmm(int type, const uint8_t *p, int64_t N, int64_
     }
 }
 
+/* ---- AMX-INT8 (the amx ISA) --------------------------------------------------------------
+ * x8 products of AMX_MIN_ROWS rows or more on the tile unit: one TDPBSSD multiplies a tile
+ * of 16 activation rows by one block (16 x 32 signed bytes) with a tile of one block of
+ * 16 output rows (8 tile rows of 64 bytes: tile row j holds chunk j, columns 4j..4j+3, of
+ * each output row n at bytes 4n..4n+3 -- the order the x8 layout already keeps a group's
+ * chunks in), giving 16 x 16 int32 sums: 8192 multiply-adds where one _mm512_dpbusd_epi32
+ * does 64. Every block has its own scales, so each block's sums leave the tile unit
+ * (TILESTORED) and are scaled in AVX-512 exactly as x8z_tile scales its own: the integer
+ * sums are the same (Q4_0's nibbles are unpacked as u - 8 and Q8_0's bytes multiply as
+ * signed, which gives the corrected sums directly) and, per output, the float operations
+ * run in the same order, so every output equals the 512-bit kernel's bit for bit (tested).
+ * Per call, each stripe of 16 output rows is unpacked once into bytes (nb x 512 bytes:
+ * 9 KiB at 576 columns) and every tile of 16 activation rows streams past it; activation
+ * rows are padded to a multiple of 16 with zeros. The tile registers are configured in
+ * each OpenMP thread and released at the end of the call; Linux lets a process use the
+ * tile data only after asking (ember_quant_amx_init). */
+#define AMX_MIN_ROWS 64
+#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+/* The tile instructions in inline assembly, each naming the memory it reads or writes as
+ * an operand (GCC's _tile_loadd names none, so the compiler could move the stores of the
+ * unpacked weights past it; a "memory" clobber instead would keep the accumulators in
+ * memory). Every tile here is 512 contiguous bytes (activations and weights) or 1024
+ * (the sums, rows of 64 bytes). */
+#define AMX_LOAD(t, base, stride)                                                                          \
+    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(*(const int8_t(*)[512])(base)), "r"(base), \
+                     "r"((long)(stride)))
+#define AMX_STORE(t, base)                                                                                 \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(int32_t(*)[256])(base)) : "r"(base), \
+                     "r"(64L))
+#define AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* 0 once Linux has granted this process the AMX tile data (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA, then ARCH_GET_XCOMP_PERM to check); negative where it will not.
+ * Until it has, the amx ISA's products refuse to run (a tile instruction would kill the
+ * process with SIGILL). */
+static int amx_granted;
+int ember_quant_amx_init(void) {
+#ifdef SYS_arch_prctl
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) return -1;
+    if (syscall(SYS_arch_prctl, 0x1022, &granted) || !(granted & (1ul << 18))) return -2;
+    amx_granted = 1;
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* the stripe of groups lo and hi (hi == lo for a lone last group) as B tiles: block b's 8
+ * tile rows of 64 signed bytes at bt + 512 b, its 16 scales at d + 16 b, Q4_1's mins at
+ * mn + 16 b */
+TARGET_AMX static void amx_unpack(int type, const uint8_t *lo, const uint8_t *hi, int64_t nb, int8_t *bt, float *d,
+                                  float *mn) {
+    const int64_t gb = 8 * block_bytes(type), head = x8_head_bytes(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), zero = _mm512_set1_epi8(type == T_Q4_0 ? 8 : 0);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ol = lo + b * gb, *oh = hi + b * gb;
+        int8_t *o = bt + 512 * b;
+        _mm512_storeu_ps(d + 16 * b, scales_pair(ol, oh));
+        if (type == T_Q4_1) _mm512_storeu_ps(mn + 16 * b, scales_pair(ol + 16, oh + 16));
+        if (type == T_Q8_0) {
+            for (int j = 0; j < 8; j++) _mm512_storeu_si512(o + 64 * j, load_pair(ol + head + 32 * j, oh + head + 32 * j));
+            continue;
+        }
+        for (int i = 0; i < 4; i++) {
+            __m512i v = load_pair(ol + head + 32 * i, oh + head + 32 * i);
+            _mm512_storeu_si512(o + 64 * i, _mm512_sub_epi8(_mm512_and_si512(v, m4), zero));
+            _mm512_storeu_si512(o + 64 * (i + 4), _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), zero));
+        }
+    }
+}
+
+/* one block's 16 x 16 sums c into acc: acc[r] += float(c[r]) * (d * dx_r), x8z_tile's
+ * operations; dx16 holds the block's 16 activation scales */
+TARGET_AMX INLINE void amx_scale(__m512 *acc, const int32_t *c, const float *d16, const float *dx16) {
+    const __m512 d = _mm512_loadu_ps(d16);
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(dx16[r])), acc[r]);
+}
+
+/* 16 activation rows (rows of them stored) against one unpacked stripe. qt is the tile's
+ * activations as nb blocks of 16 x 32 bytes (each tile load reads 8 whole cache lines),
+ * dxt and fst its scales and Q4_1 offsets as nb blocks of 16, y its first output; c is
+ * 5 x 256 int32, 64-byte aligned. Software-pipelined: the tile unit multiplies block
+ * b + 1 (tiles 1/3/5 or 0/2/4, alternating) while block b's sums are stored, and each
+ * block's sums are scaled one block later, when their store has reached the cache. The
+ * loops over rows have constant bounds, so the accumulators stay in registers. */
+TARGET_AMX static void amx_rows(int type, const int8_t *bt, const float *d, const float *mn, int64_t nb,
+                                const int8_t *qt, const float *dxt, const float *fst, int64_t rows, __mmask16 keep,
+                                __m512 b16, float *y, int64_t N, int32_t *c) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    AMX_ZERO(0);
+    AMX_LOAD(2, qt, 32);
+    AMX_LOAD(4, bt, 64);
+    AMX_DPBSSD(0, 2, 4);
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (b + 1 < nb) {
+            AMX_ZERO(1);
+            AMX_LOAD(3, qt + 512 * (b + 1), 32);
+            AMX_LOAD(5, bt + 512 * (b + 1), 64);
+            AMX_DPBSSD(1, 3, 5);
+        }
+        AMX_STORE(0, c + 256 * (b & 3));
+        if (b) amx_scale(acc, c + 256 * ((b - 1) & 3), d + 16 * (b - 1), dxt + 16 * (b - 1));
+        if (b + 1 >= nb) break;
+        if (b + 2 < nb) {
+            AMX_ZERO(0);
+            AMX_LOAD(2, qt + 512 * (b + 2), 32);
+            AMX_LOAD(4, bt + 512 * (b + 2), 64);
+            AMX_DPBSSD(0, 2, 4);
+        }
+        AMX_STORE(1, c + 256 * ((b + 1) & 3));
+        amx_scale(acc, c + 256 * (b & 3), d + 16 * b, dxt + 16 * b);
+    }
+    amx_scale(acc, c + 256 * ((nb - 1) & 3), d + 16 * (nb - 1), dxt + 16 * (nb - 1));
+    __m512 off[16];
+    for (int r = 0; r < 16; r++) off[r] = _mm512_setzero_ps();
+    if (type == T_Q4_1) { /* the mins' term: blocks outer, so the 16 rows' sums run side by side */
+        float *sums = (float *)(c + 1024);
+        for (int r = 0; r < 16; r++) _mm512_store_ps(sums + 16 * r, acc[r]);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 m = _mm512_loadu_ps(mn + 16 * b);
+            for (int r = 0; r < 16; r++) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(fst[16 * b + r]), off[r]);
+        }
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(sums + 16 * r);
+    }
+    for (int r = 0; r < 16; r++)
+        _mm512_mask_storeu_ps(y + r * N, r < rows ? keep : 0, _mm512_add_ps(_mm512_add_ps(acc[r], off[r]), b16));
+}
+
+/* ember_quant_act's blocks of Mp rows (a multiple of 16) -> per tile of 16 rows: qt, its
+ * nb blocks of 16 rows x 32 bytes one after the other; dxt and fst, its nb blocks of 16
+ * scales d and offsets d * sum(q) */
+static void amx_tile_layout(const int8_t *q, const float *dx, const int16_t *s, int64_t Mp, int64_t K, int8_t *qt,
+                            float *dxt, float *fst) {
+    const int64_t nb = K / 32;
+    for (int64_t t = 0; t < Mp / 16; t++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t i = (16 * t + r) * nb + b, o = (t * nb + b) * 16 + r;
+                memcpy(qt + 32 * o, q + 32 * i, 32);
+                dxt[o] = dx[i];
+                fst[o] = dx[i] * (float)((int32_t)s[2 * i] + (int32_t)s[2 * i + 1]);
+            }
+}
+
+/* qt, dxt and fst: amx_tile_layout's, of round_up(M, 16) rows (the padding zeros) */
+TARGET_AMX static int linear_x8_amx(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *qt,
+                                    const float *dxt, const float *fst, int64_t M, const float *bias, float *y,
+                                    int nthreads) {
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 6; t++) {
+            cfg.rows[t] = t >= 4 ? 8 : 16; /* 0-1 sums, 2-3 activations, 4-5 weights */
+            cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+        }
+        int32_t c[1280] __attribute__((aligned(64))); /* 4 blocks' sums, then 16 x 16 floats */
+        int8_t *bt = malloc((size_t)nb * (512 + 2 * 16 * sizeof(float)));
+        float *d = (float *)(bt + 512 * nb), *mn = d + 16 * nb;
+        if (!bt) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            _tile_loadconfig(&cfg);
+        }
+        for (int64_t mb = 0; mb < M; mb += X8_M_BLOCK) {
+            const int64_t me = M - mb < X8_M_BLOCK ? M : mb + X8_M_BLOCK;
+#pragma omp for schedule(static) nowait
+            for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+                if (!bt) continue;
+                const int64_t g = 2 * pair;
+                const int whole = g + 1 < groups;
+                const __mmask16 keep = whole ? 0xffff : 0x00ff;
+                const uint8_t *lo = p + g * nb * gb;
+                amx_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt, d, mn);
+                const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+                for (int64_t m0 = mb; m0 < me; m0 += 16)
+                    amx_rows(type, bt, d, mn, nb, qt + m0 * K, dxt + m0 * nb, fst + m0 * nb,
+                             me - m0 < 16 ? me - m0 : 16, keep, b16, y + m0 * N + 8 * g, N, c);
+            }
+        }
+        if (bt) _tile_release();
+        free(bt);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---- AMX-BF16: x8 weights in bfloat16 on the tile unit (the amx ISA's bf16 mode) -------------
+ * Where the prefill mode is bf16, products of many rows multiply bfloat16 on tiles rather
+ * than 8-bit activations: per call each stripe of 16 output rows is dequantized (gguf's
+ * float operations, then rounded to bfloat16, nearest even) straight into TDPBF16PS's B
+ * layout (per block of 32 columns, 16 tile rows of 64 bytes: tile row k holds columns 2k
+ * and 2k + 1 of each output row n at bytes 4n..4n+3), which stays in the core's cache
+ * while every pair of 16-row activation tiles (bfloat16, nearest even) streams past it.
+ * The sums accumulate in float32 inside the tiles over all of K -- no per-block scaling
+ * leaves the tile unit, which is what bounds the int8 kernel above -- and are stored once
+ * per tile. The same numbers class as the bf16 mode's dequantized tiles through oneDNN
+ * (bfloat16 weights and activations, float32 sums), without a float copy of the weight
+ * or oneDNN's re-layout per call. */
+#define TARGET_AMXB \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
+#define AMX_LOAD1K(t, base) \
+    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(*(const int8_t(*)[1024])(base)), "r"(base), "r"(64L))
+#define AMX_DPBF16PS(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+/* 16 lanes' 4 values (byte k of lane n: column 4j + k of output row n) -> the two B tile
+ * rows of chunk j: (w0, w1) and (w2, w3) interleaved per lane, as bfloat16 */
+TARGET_AMXB INLINE void amxb_chunk(int type, __m512i u, __m512 d, __m512 m, int8_t *row) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 w[4];
+    for (int k = 0; k < 4; k++) {
+        __m512i v = type == T_Q8_0 ? _mm512_srai_epi32(_mm512_slli_epi32(u, 24 - 8 * k), 24)
+                                   : _mm512_and_si512(_mm512_srli_epi32(u, 8 * k), _mm512_set1_epi32(0xff));
+        if (type == T_Q4_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8));
+        w[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)); /* gguf: d * u (+ m), no FMA */
+        if (type == T_Q4_1) w[k] = _mm512_add_ps(w[k], m);
+    }
+    for (int h = 0; h < 2; h++) {
+        __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(w[2 * h + 1], w[2 * h]); /* w[2h] in 0-15, w[2h+1] in 16-31 */
+        _mm512_storeu_si512(row + 64 * h, _mm512_permutexvar_epi16(pairs, bf));
+    }
+}
+
+/* the stripe of groups lo and hi as bfloat16 B tiles: block b's 16 rows of 64 bytes at bt + 1024 b */
+TARGET_AMXB static void amxb_unpack(int type, const uint8_t *lo, const uint8_t *hi, int64_t nb, int8_t *bt) {
+    const int64_t gb = 8 * block_bytes(type), head = x8_head_bytes(type);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ol = lo + b * gb, *oh = hi + b * gb;
+        const __m512 d = scales_pair(ol, oh), m = type == T_Q4_1 ? scales_pair(ol + 16, oh + 16) : d;
+        int8_t *o = bt + 1024 * b;
+        if (type == T_Q8_0) {
+            for (int j = 0; j < 8; j++) amxb_chunk(type, load_pair(ol + head + 32 * j, oh + head + 32 * j), d, m, o + 128 * j);
+            continue;
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m512i v = load_pair(ol + head + 32 * i, oh + head + 32 * i);
+            amxb_chunk(type, _mm512_and_si512(v, m4), d, m, o + 128 * i);
+            amxb_chunk(type, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), d, m, o + 128 * (i + 4));
+        }
+    }
+}
+
+/* float32 x (M, K) -> bfloat16 (nearest even) in tiles: per tile of 16 rows, its nb blocks
+ * of 16 rows x 32 values one after the other; rows M..Mp-1 zeros */
+TARGET_AMXB static void amxb_act(const float *x, int64_t M, int64_t Mp, int64_t K, int8_t *xt, int nthreads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (Mp * K > 65536)
+    for (int64_t m = 0; m < Mp; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *o = xt + (((m / 16) * nb + b) * 16 + m % 16) * 64;
+            if (m >= M) { memset(o, 0, 64); continue; }
+            const float *p = x + m * K + 32 * b;
+            _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p)));
+        }
+}
+
+TARGET_AMXB static int linear_x8_amx_bf16(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *xt,
+                                         int64_t M, int64_t Mp, const float *bias, float *y, int nthreads) {
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-1 sums, 2-3 activations, 4 weights */
+        float c[512] __attribute__((aligned(64)));
+        int8_t *bt = malloc((size_t)nb * 1024);
+        if (!bt) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            _tile_loadconfig(&cfg);
+        }
+        for (int64_t mb = 0; mb < Mp; mb += X8_M_BLOCK) { /* the block's activations stay in cache */
+            const int64_t me = Mp - mb < X8_M_BLOCK ? Mp : mb + X8_M_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+            if (!bt) continue;
+            const int64_t g = 2 * pair;
+            const int whole = g + 1 < groups;
+            const __mmask16 keep = whole ? 0xffff : 0x00ff;
+            const uint8_t *lo = p + g * nb * gb;
+            amxb_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt);
+            const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+            for (int64_t m0 = mb; m0 < me; m0 += 32) {
+                const int8_t *a0 = xt + m0 * K * 2, *a1 = a0 + 16 * K * 2;
+                const int two = m0 + 16 < me;
+                AMX_ZERO(0);
+                AMX_ZERO(1);
+                for (int64_t b = 0; b < nb; b++) {
+                    AMX_LOAD1K(4, bt + 1024 * b);
+                    AMX_LOAD1K(2, a0 + 1024 * b);
+                    AMX_DPBF16PS(0, 2, 4);
+                    if (two) {
+                        AMX_LOAD1K(3, a1 + 1024 * b);
+                        AMX_DPBF16PS(1, 3, 4);
+                    }
+                }
+                __asm__ volatile("tilestored %%tmm0, (%1,%2,1)" : "=m"(*(float(*)[256])c) : "r"(c), "r"(64L));
+                if (two) __asm__ volatile("tilestored %%tmm1, (%1,%2,1)" : "=m"(*(float(*)[256])(c + 256)) : "r"(c + 256), "r"(64L));
+                for (int64_t r = 0; r < (two ? 32 : 16) && m0 + r < M; r++)
+                    _mm512_mask_storeu_ps(y + (m0 + r) * N + 8 * g, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b16));
+            }
+        }
+        }
+        if (bt) _tile_release();
+        free(bt);
+    }
+    return failed ? -2 : 0;
+}
+
+/* y = x @ W.T (+ b) for x8 weights in bfloat16 on AMX tiles (see above), float32 y (M, N);
+ * -1 for another type or shape, -3 before ember_quant_amx_init has been granted */
+int ember_quant_linear_x8_bf16(int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
+                               const float *bias, float *y, int nthreads) {
+    if (!x8_type(type) || K % 32 || N % 8) return -1;
+    if (!amx_granted) return -3;
+    const int64_t Mp = (M + 15) / 16 * 16;
+    int8_t *xt = scratch(1, (size_t)(Mp * K) * 2);
+    if (!xt) return -2;
+    amxb_act(x, M, Mp, K, xt, nthreads);
+    int rc = linear_x8_amx_bf16(type, p, N, K, xt, M, Mp, bias, y, nthreads);
+    return rc;
+}
+
 int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
                           const float *bias, float *y, int nthreads) {
-    if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI)) return -1;
+    if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI && isa != ISA_AMX)) return -1;
+    if (isa == ISA_AMX && !amx_granted) return -3;
+    const int amx = isa == ISA_AMX && M >= AMX_MIN_ROWS;
+    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M, nb = K / 32;
     int8_t *q;
     float *dx;
     int16_t *s;
-    void *scratch = act_blocks(x, M, K, nthreads, &q, &dx, &s);
-    if (!scratch) return -2;
-    if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    void *acts = act_blocks(x, M, Mp, K, nthreads, &q, &dx, &s);
+    if (!acts) return -2;
+    int rc = 0;
+    if (amx) {
+        float *dxt = scratch(1, (size_t)(Mp * nb) * 2 * sizeof(float) + (size_t)(Mp * K));
+        if (!dxt) rc = -2;
+        else {
+            float *fst = dxt + Mp * nb;
+            int8_t *qt = (int8_t *)(fst + Mp * nb);
+            amx_tile_layout(q, dx, s, Mp, K, qt, dxt, fst);
+            rc = linear_x8_amx(type, p, N, K, qt, dxt, fst, M, bias, y, nthreads);
+        }
+    } else if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
     else if (M < X8Z_MIN_ROWS) linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
     else linear_x8_zmm(type, p, N, K, q, dx, s, M, bias, y, nthreads);
-    free(scratch);
-    return 0;
+    return rc;
 }
 
-/* ember_quant_act then ember_quant_linear in one call (the activation's blocks in a
- * scratch buffer of this call's): float32 x (M, K) -> y (M, N) */
+/* ember_quant_act then ember_quant_linear in one call (the activation's blocks in
+ * scratch slot 0): float32 x (M, K) -> y (M, N) */
 int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
                            const float *bias, float *y, int nthreads) {
     if (K % 32 || !ember_quant_has_kernel(isa, type)) return -1;
     int8_t *q;
     float *dx;
     int16_t *s;
-    void *scratch = act_blocks(x, M, K, nthreads, &q, &dx, &s);
-    if (!scratch) return -2;
+    void *acts = act_blocks(x, M, M, K, nthreads, &q, &dx, &s);
+    if (!acts) return -2;
     int rc = ember_quant_linear(isa, type, w, N, K, q, dx, s, M, bias, y, nthreads);
-    free(scratch);
     return rc;
 }
 
