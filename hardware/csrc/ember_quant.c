@@ -22,8 +22,8 @@
  * intermediate int16; x8 products of X8Z_MIN_ROWS rows or more in 512-bit registers,
  * linear_x8_zmm), each under its own target attribute so one library serves every CPU
  * and Python picks what the CPU can run. "ref" is plain C, the check for the others.
- * No AMX-INT8 variant yet: its tiles want weights re-laid out in 16x64 tiles, a larger
- * change than this file's one-row-at-a-time scheme.
+ * The amx ISA is avx512vnni's kernels plus tile kernels for x8 products of many rows
+ * (AMX-INT8, the same numbers; AMX-BF16, the bf16 mode's), after the x8 kernels below.
  */
 #ifndef EMBER_QUANT_BODY
 #include <immintrin.h>
@@ -939,34 +939,34 @@ TARGET_AMXB static int linear_x8_amx_bf16(int type, const uint8_t *p, int64_t N,
         for (int64_t mb = 0; mb < Mp; mb += X8_M_BLOCK) { /* the block's activations stay in cache */
             const int64_t me = Mp - mb < X8_M_BLOCK ? Mp : mb + X8_M_BLOCK;
 #pragma omp for schedule(static) nowait
-        for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
-            if (!bt) continue;
-            const int64_t g = 2 * pair;
-            const int whole = g + 1 < groups;
-            const __mmask16 keep = whole ? 0xffff : 0x00ff;
-            const uint8_t *lo = p + g * nb * gb;
-            amxb_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt);
-            const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
-            for (int64_t m0 = mb; m0 < me; m0 += 32) {
-                const int8_t *a0 = xt + m0 * K * 2, *a1 = a0 + 16 * K * 2;
-                const int two = m0 + 16 < me;
-                AMX_ZERO(0);
-                AMX_ZERO(1);
-                for (int64_t b = 0; b < nb; b++) {
-                    AMX_LOAD1K(4, bt + 1024 * b);
-                    AMX_LOAD1K(2, a0 + 1024 * b);
-                    AMX_DPBF16PS(0, 2, 4);
-                    if (two) {
-                        AMX_LOAD1K(3, a1 + 1024 * b);
-                        AMX_DPBF16PS(1, 3, 4);
+            for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+                if (!bt) continue;
+                const int64_t g = 2 * pair;
+                const int whole = g + 1 < groups;
+                const __mmask16 keep = whole ? 0xffff : 0x00ff;
+                const uint8_t *lo = p + g * nb * gb;
+                amxb_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt);
+                const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+                for (int64_t m0 = mb; m0 < me; m0 += 32) {
+                    const int8_t *a0 = xt + m0 * K * 2, *a1 = a0 + 16 * K * 2;
+                    const int two = m0 + 16 < me;
+                    AMX_ZERO(0);
+                    AMX_ZERO(1);
+                    for (int64_t b = 0; b < nb; b++) {
+                        AMX_LOAD1K(4, bt + 1024 * b);
+                        AMX_LOAD1K(2, a0 + 1024 * b);
+                        AMX_DPBF16PS(0, 2, 4);
+                        if (two) {
+                            AMX_LOAD1K(3, a1 + 1024 * b);
+                            AMX_DPBF16PS(1, 3, 4);
+                        }
                     }
+                    __asm__ volatile("tilestored %%tmm0, (%1,%2,1)" : "=m"(*(float(*)[256])c) : "r"(c), "r"(64L));
+                    if (two) __asm__ volatile("tilestored %%tmm1, (%1,%2,1)" : "=m"(*(float(*)[256])(c + 256)) : "r"(c + 256), "r"(64L));
+                    for (int64_t r = 0; r < (two ? 32 : 16) && m0 + r < M; r++)
+                        _mm512_mask_storeu_ps(y + (m0 + r) * N + 8 * g, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b16));
                 }
-                __asm__ volatile("tilestored %%tmm0, (%1,%2,1)" : "=m"(*(float(*)[256])c) : "r"(c), "r"(64L));
-                if (two) __asm__ volatile("tilestored %%tmm1, (%1,%2,1)" : "=m"(*(float(*)[256])(c + 256)) : "r"(c + 256), "r"(64L));
-                for (int64_t r = 0; r < (two ? 32 : 16) && m0 + r < M; r++)
-                    _mm512_mask_storeu_ps(y + (m0 + r) * N + 8 * g, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b16));
             }
-        }
         }
         if (bt) _tile_release();
         free(bt);
