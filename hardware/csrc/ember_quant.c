@@ -864,6 +864,8 @@ TARGET_AMX static int linear_x8_amx(int type, const uint8_t *p, int64_t N, int64
 #define AMX_LOAD1K(t, base) \
     __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(*(const int8_t(*)[1024])(base)), "r"(base), "r"(64L))
 #define AMX_DPBF16PS(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define AMX_STOREF(t, base) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(float(*)[256])(base)) : "r"(base), "r"(64L))
 
 /* 16 lanes' 4 values (byte k of lane n: column 4j + k of output row n) -> the two B tile
  * rows of chunk j: (w0, w1) and (w2, w3) interleaved per lane, as bfloat16 */
@@ -918,18 +920,33 @@ TARGET_AMXB static void amxb_act(const float *x, int64_t M, int64_t Mp, int64_t 
         }
 }
 
+/* one 16 x 16 tile of sums (c) into y's rows m0.. (rows of them, below M), 16 columns at
+ * col (keep: the 8 of a lone last group), plus the bias */
+TARGET_AMXB INLINE void amxb_store(const float *c, int64_t m0, int64_t M, int64_t N, int64_t col, __mmask16 keep,
+                                   __m512 b16, float *y) {
+    for (int64_t r = 0; r < 16 && m0 + r < M; r++)
+        _mm512_mask_storeu_ps(y + (m0 + r) * N + col, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b16));
+}
+
+/* Work is split by pairs of stripes (32 output rows): both are unpacked, then every pair
+ * of activation tiles multiplies them into 4 tiles of sums (0: tile 0 x stripe 0, 1:
+ * tile 1 x stripe 0, 2 and 3 likewise for stripe 1), 4 products per 4 tile loads where
+ * one stripe gave 2 per 3, the chains of dependent products interleaved four deep (the
+ * tile loop alone, Intel Xeon: 7 against 11 ns a product; this kernel, 1536 x 576 Q4_1:
+ * 128 rows 0.29 -> 0.16 ms, 4096 rows 10.5 -> 5.5 ms). A lone last stripe multiplies
+ * twice and stores once. */
 TARGET_AMXB static int linear_x8_amx_bf16(int type, const uint8_t *p, int64_t N, int64_t K, const int8_t *xt,
                                          int64_t M, int64_t Mp, const float *bias, float *y, int nthreads) {
-    const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8;
+    const int64_t nb = K / 32, gb = 8 * block_bytes(type), groups = N / 8, stripes = (groups + 1) / 2;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-1 sums, 2-3 activations, 4 weights */
-        float c[512] __attribute__((aligned(64)));
-        int8_t *bt = malloc((size_t)nb * 1024);
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3 sums, 4-5 activations, 6-7 weights */
+        float c[1024] __attribute__((aligned(64)));
+        int8_t *bt = malloc((size_t)nb * 2048);
         if (!bt) {
 #pragma omp atomic write
             failed = 1;
@@ -939,32 +956,48 @@ TARGET_AMXB static int linear_x8_amx_bf16(int type, const uint8_t *p, int64_t N,
         for (int64_t mb = 0; mb < Mp; mb += X8_M_BLOCK) { /* the block's activations stay in cache */
             const int64_t me = Mp - mb < X8_M_BLOCK ? Mp : mb + X8_M_BLOCK;
 #pragma omp for schedule(static) nowait
-            for (int64_t pair = 0; pair < (groups + 1) / 2; pair++) {
+            for (int64_t quad = 0; quad < (stripes + 1) / 2; quad++) {
                 if (!bt) continue;
-                const int64_t g = 2 * pair;
-                const int whole = g + 1 < groups;
-                const __mmask16 keep = whole ? 0xffff : 0x00ff;
-                const uint8_t *lo = p + g * nb * gb;
-                amxb_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt);
-                const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + 8 * g) : _mm512_setzero_ps();
+                const int has1 = 2 * quad + 1 < stripes;
+                __mmask16 keep[2];
+                __m512 b16[2];
+                for (int h = 0; h < 1 + has1; h++) {
+                    const int64_t g = 4 * quad + 2 * h;
+                    const int whole = g + 1 < groups;
+                    const uint8_t *lo = p + g * nb * gb;
+                    keep[h] = whole ? 0xffff : 0x00ff;
+                    amxb_unpack(type, lo, whole ? lo + nb * gb : lo, nb, bt + h * nb * 1024);
+                    b16[h] = bias ? _mm512_maskz_loadu_ps(keep[h], bias + 8 * g) : _mm512_setzero_ps();
+                }
+                const int8_t *bt1 = bt + (has1 ? nb * 1024 : 0);
                 for (int64_t m0 = mb; m0 < me; m0 += 32) {
                     const int8_t *a0 = xt + m0 * K * 2, *a1 = a0 + 16 * K * 2;
                     const int two = m0 + 16 < me;
                     AMX_ZERO(0);
                     AMX_ZERO(1);
+                    AMX_ZERO(2);
+                    AMX_ZERO(3);
                     for (int64_t b = 0; b < nb; b++) {
-                        AMX_LOAD1K(4, bt + 1024 * b);
-                        AMX_LOAD1K(2, a0 + 1024 * b);
-                        AMX_DPBF16PS(0, 2, 4);
+                        AMX_LOAD1K(6, bt + 1024 * b);
+                        AMX_LOAD1K(7, bt1 + 1024 * b);
+                        AMX_LOAD1K(4, a0 + 1024 * b);
+                        AMX_DPBF16PS(0, 4, 6);
+                        AMX_DPBF16PS(2, 4, 7);
                         if (two) {
-                            AMX_LOAD1K(3, a1 + 1024 * b);
-                            AMX_DPBF16PS(1, 3, 4);
+                            AMX_LOAD1K(5, a1 + 1024 * b);
+                            AMX_DPBF16PS(1, 5, 6);
+                            AMX_DPBF16PS(3, 5, 7);
                         }
                     }
-                    __asm__ volatile("tilestored %%tmm0, (%1,%2,1)" : "=m"(*(float(*)[256])c) : "r"(c), "r"(64L));
-                    if (two) __asm__ volatile("tilestored %%tmm1, (%1,%2,1)" : "=m"(*(float(*)[256])(c + 256)) : "r"(c + 256), "r"(64L));
-                    for (int64_t r = 0; r < (two ? 32 : 16) && m0 + r < M; r++)
-                        _mm512_mask_storeu_ps(y + (m0 + r) * N + 8 * g, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b16));
+                    AMX_STOREF(0, c);
+                    AMX_STOREF(2, c + 512);
+                    if (two) {
+                        AMX_STOREF(1, c + 256);
+                        AMX_STOREF(3, c + 768);
+                    }
+                    for (int t = 0; t < 1 + two; t++)
+                        for (int h = 0; h < 1 + has1; h++)
+                            amxb_store(c + 256 * t + 512 * h, m0 + 16 * t, M, N, 32 * quad + 16 * h, keep[h], b16[h], y);
                 }
             }
         }
