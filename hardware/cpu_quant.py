@@ -78,6 +78,11 @@ X8_ISAS = ("amx", "avx512vnni", "avx2")  # the ISAs with x8 kernels
 # 0.23, VNNI 0.37, oneDNN bf16 on a plain bf16 weight 0.14-0.19
 AMX_MIN_ROWS = 64
 AMX_BF16_ROWS = 128
+# ... up to this many rows: larger ones (long prompts) take the bf16 mode's dequantized
+# tiles through oneDNN, which its own blocking serves better there (4096 rows, ms: 1536 x
+# 576 4.1 against 7.0, 960 x 576 2.6 against 3.5, 576 x 1536 4.8 against 5.2; at 300-1024
+# rows the AMX-BF16 kernel was as fast or faster: 576 x 1536 at 1024 rows 1.25 against 1.94)
+AMX_BF16_MAX_ROWS = 2048
 # Products of up to this many rows take the integer kernel; more dequantize and GEMM.
 # SmolLM2 shapes on a 2-core AVX2 EPYC: the kernel wins up to about 8 rows.
 MAX_KERNEL_ROWS = 8
@@ -415,7 +420,7 @@ class GGUFLinearOp(QuantizedLinearOp):
         type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
         large = M > LARGE_ROWS
-        if x8 and M >= self.amx_bf16_rows:
+        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS:
             y = torch.empty(M, N, dtype=torch.float32)
             rc = self._linear_x8_bf16(type_id, data_ptr, N, K, x.data_ptr(), M,
                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),

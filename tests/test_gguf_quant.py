@@ -18,6 +18,7 @@ Kernel tolerances. The kernels quantize each activation row to 8 bits per block 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import gguf
@@ -287,6 +288,11 @@ def test_the_op_runs_amx_tiles_as_the_prefill_mode_says(amx, monkeypatch):
                 assert not torch.equal(got, vnni)
             else:
                 assert torch.equal(got, vnni), (mode, rows)
+        if mode == "bf16":  # beyond AMX_BF16_MAX_ROWS: the bf16 mode's dequantized tiles through oneDNN
+            big = torch.randn(cpu_quant.AMX_BF16_MAX_ROWS + 8, 256)
+            got = op(big, weight)
+            op.amx_bf16_rows = sys.maxsize  # the op as it runs without the AMX-BF16 kernel
+            assert torch.equal(got, op(big, weight))
 
 
 def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
