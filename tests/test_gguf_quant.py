@@ -243,7 +243,6 @@ def test_amx_products_refuse_to_run_before_linux_grants_the_tiles(kernels):
     the library without asking gets a RuntimeError naming the reason (on any CPU: the
     check comes before any tile instruction)."""
     import subprocess
-    import sys
 
     script = f"""
 import torch
@@ -266,8 +265,8 @@ for call in (lambda: k.linear_x8(torch.zeros(64, 64), packed, "Q8_0", isa="amx")
 
 def test_the_op_runs_amx_tiles_as_the_prefill_mode_says(amx, monkeypatch):
     """On the amx ISA: decode-sized products take the VNNI kernels, from AMX_MIN_ROWS
-    rows the AMX-INT8 tiles (the same numbers), and in bf16 mode from AMX_BF16_ROWS
-    rows the AMX-BF16 tiles; in int8 mode every product of x8 weights stays on 8-bit
+    rows the AMX-INT8 tiles (the same numbers), and in bf16 mode from AMX_BF16_ROWS to
+    AMX_BF16_MAX_ROWS rows the AMX-BF16 tiles (beyond, oneDNN's); in int8 mode every product of x8 weights stays on 8-bit
     activations, bit for bit the avx512vnni kernels' at every row count."""
     from ember.plugins.quantizers.gguf import GGUFWeight
 
