@@ -371,7 +371,8 @@ class GGUFLinearOp(QuantizedLinearOp):
                 tiles = f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows"
                 if self.prefill == "bf16" and {"amx_bf16", "avx512_bf16"} <= cpu_flags():
                     self.amx_bf16_rows = AMX_BF16_ROWS
-                    tiles = f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows, AMX-BF16 tiles from {AMX_BF16_ROWS}"
+                    tiles = (f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows, AMX-BF16 tiles from {AMX_BF16_ROWS} "
+                             f"to {AMX_BF16_MAX_ROWS}")
             logger.info("GGUF %s weights: %s%s; products of more than %d rows: %s (%s)", "/".join(X8_TYPES),
                         "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles, LARGE_ROWS,
                         self.prefill, why)
