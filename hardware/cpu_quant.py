@@ -280,7 +280,6 @@ class QuantKernels:
             raise ValueError(f"no x8 kernel for {type_name} ({N}, {K}) under {isa or self.isa}")
         return y
 
-
     def linear_x8_bf16(self, x: torch.Tensor, packed: torch.Tensor, type_name: str,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` for W in the x8 layout on AMX-BF16 tiles: W's dequantized
