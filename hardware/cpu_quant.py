@@ -273,11 +273,7 @@ class QuantKernels:
         rc = self._linear_x8(ISA_IDS[isa or self.isa], quant_type(type_name).type_id, packed.data_ptr(), N, K,
                              x.data_ptr(), M, bias.contiguous().data_ptr() if bias is not None else None,
                              y.data_ptr(), torch.get_num_threads())
-        if rc == -3:
-            raise RuntimeError("the amx ISA's products need the AMX tile state, which Linux has not granted "
-                               "this process (QuantKernels.amx_granted)")
-        if rc:
-            raise ValueError(f"no x8 kernel for {type_name} ({N}, {K}) under {isa or self.isa}")
+        _check_x8_rc(rc, f"{type_name} ({N}, {K}) under {isa or self.isa}")
         return y
 
     def linear_x8_bf16(self, x: torch.Tensor, packed: torch.Tensor, type_name: str,
@@ -292,11 +288,7 @@ class QuantKernels:
         rc = self._linear_x8_bf16(quant_type(type_name).type_id, packed.data_ptr(), N, K, x.data_ptr(), M,
                                   bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
                                   torch.get_num_threads())
-        if rc == -3:
-            raise RuntimeError("AMX-BF16 products need the AMX tile state, which Linux has not granted this "
-                               "process (QuantKernels.amx_granted)")
-        if rc:
-            raise ValueError(f"no x8 kernel for {type_name} ({N}, {K})")
+        _check_x8_rc(rc, f"{type_name} ({N}, {K}) on AMX-BF16 tiles")
         return y
 
 
@@ -479,6 +471,15 @@ def _fn(lib, name: str, argtypes: list, restype):
     function.argtypes = argtypes
     function.restype = restype
     return function
+
+
+def _check_x8_rc(rc: int, what: str) -> None:
+    """The x8 entry points' return codes: -3 the AMX tile state not granted, else none for that shape."""
+    if rc == -3:
+        raise RuntimeError(f"{what}: AMX tile products need the AMX tile state, which Linux has not granted "
+                           "this process (QuantKernels.amx_granted)")
+    if rc:
+        raise ValueError(f"no x8 kernel for {what}")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
