@@ -672,9 +672,8 @@ TARGET_Z static void linear_x8_zmm(int type, const uint8_t *p, int64_t N, int64_
 #define AMX_LOAD(t, base, stride)                                                                          \
     __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(*(const int8_t(*)[512])(base)), "r"(base), \
                      "r"((long)(stride)))
-#define AMX_STORE(t, base)                                                                                 \
-    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(int32_t(*)[256])(base)) : "r"(base), \
-                     "r"(64L))
+#define AMX_STORE(t, base)                                                                               \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(char(*)[1024])(base)) : "r"(base), "r"(64L))
 #define AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #define AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 
@@ -864,8 +863,6 @@ TARGET_AMX static int linear_x8_amx(int type, const uint8_t *p, int64_t N, int64
 #define AMX_LOAD1K(t, base) \
     __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(*(const int8_t(*)[1024])(base)), "r"(base), "r"(64L))
 #define AMX_DPBF16PS(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-#define AMX_STOREF(t, base) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(float(*)[256])(base)) : "r"(base), "r"(64L))
 
 /* 16 lanes' 4 values (byte k of lane n: column 4j + k of output row n) -> the two B tile
  * rows of chunk j: (w0, w1) and (w2, w3) interleaved per lane, as bfloat16 */
@@ -989,11 +986,11 @@ TARGET_AMXB static int linear_x8_amx_bf16(int type, const uint8_t *p, int64_t N,
                             AMX_DPBF16PS(3, 5, 7);
                         }
                     }
-                    AMX_STOREF(0, c);
-                    AMX_STOREF(2, c + 512);
+                    AMX_STORE(0, c);
+                    AMX_STORE(2, c + 512);
                     if (two) {
-                        AMX_STOREF(1, c + 256);
-                        AMX_STOREF(3, c + 768);
+                        AMX_STORE(1, c + 256);
+                        AMX_STORE(3, c + 768);
                     }
                     for (int t = 0; t < 1 + two; t++)
                         for (int h = 0; h < 1 + has1; h++)
