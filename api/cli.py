@@ -135,8 +135,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--cuda-graphs", metavar="SIZES", type=_graph_sizes, default=None,
-        help="decode batch sizes captured in device graphs, e.g. 1,2,4,8 (CUDA and ROCm: CUDA graphs); 0 turns "
-        "them off (default: 1,2,4,8 and every 16 up to --max-batch-size, at most 256) [EMBER_CUDA_GRAPHS]",
+        help="decode batch sizes captured in device graphs, e.g. 1,2,4,8 (CUDA and ROCm: CUDA graphs; cpu: CPU "
+        "graphs of the native kernels); 0 turns them off (default: cpu 1-8,12,16,24,32; else 1,2,4,8 and every 16 "
+        "up to --max-batch-size, at most 256) [EMBER_CUDA_GRAPHS]",
     )
     group.add_argument(
         "--enforce-eager", action="store_true", default=None,

@@ -285,9 +285,15 @@ class BaseBackend(ABC):
     def graph_capture(self) -> Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]] | None:
         """Device graphs for decode steps (``ember.graphs``): a callable that captures
         ``fn`` (a forward pass over static tensors, run once or more while capturing)
-        and returns ``replay() -> the captured output``, refreshed by each replay.
-        None (the default): the device has no graphs and every step runs eagerly."""
+        and returns ``replay() -> the captured output``, refreshed by each replay, or
+        raises ``ember.graphs.GraphCaptureRefused`` for a forward its graphs cannot
+        hold (that batch size runs eagerly). None (the default): the device has no
+        graphs and every step runs eagerly."""
         return None
+
+    #: the decode batch sizes captured when the user names none (``--cuda-graphs``,
+    #: ``EngineConfig.graph_sizes``); None: ``ember.graphs.default_graph_sizes``
+    graph_batch_sizes: ClassVar[tuple[int, ...] | None] = None
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on synchronous devices)."""

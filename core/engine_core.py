@@ -243,7 +243,10 @@ class EngineCore:
             logger.info("device graphs: off (the %s attention has no static form); decode steps run eagerly",
                         attention.name)
             return None
-        sizes = config.graph_sizes or default_graph_sizes(config.max_num_seqs)
+        sizes = config.graph_sizes or [
+            s for s in self.backend.graph_batch_sizes or default_graph_sizes(config.max_num_seqs)
+            if s <= config.max_num_seqs
+        ]
         return self.runner.capture_graphs(capture, sizes).capture_seconds
 
     def close(self) -> None:

@@ -13,7 +13,9 @@ dropped. Steps with prompt tokens, draft tokens or more decodes than the largest
 size run eagerly.
 
 The backend supplies the capture (``BaseBackend.graph_capture``): a callable that
-turns ``fn`` (a forward over the static tensors) into ``replay() -> output``. Core
+turns ``fn`` (a forward over the static tensors) into ``replay() -> output``, or
+raises :class:`GraphCaptureRefused` when its graphs cannot hold that forward (the
+CPU's, for one, hold only its native kernels): that size then runs eagerly. Core
 never names a device.
 """
 
@@ -28,6 +30,11 @@ import torch
 from ember.backend import AttentionBatch, BaseAttention
 
 logger = logging.getLogger(__name__)
+
+
+class GraphCaptureRefused(Exception):
+    """A backend's capture cannot record this forward (the message says what in it);
+    the batch size is left to eager steps."""
 
 
 def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -62,26 +69,40 @@ class DecodeGraphs:
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be positive integers, got {list(sizes)}")
-        self.sizes = tuple(sorted(set(sizes)))
+        sizes = tuple(sorted(set(sizes)))
         self.attention = attention
-        largest = self.sizes[-1]
+        largest = sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[Callable[[], torch.Tensor], object]] = {}
+        refused: dict[str, list[int]] = {}  # why -> sizes
         started = time.perf_counter()
-        for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
+        for size in reversed(sizes):  # the largest first: the smaller ones reuse its memory
             metadata = attention.graph_metadata(size, max_blocks, block_size, device)
             ids, positions = self.input_ids[:size], self.positions[:size]
 
             def forward(ids=ids, positions=positions, metadata=metadata) -> torch.Tensor:
                 return model(ids, positions, kv_caches, metadata)
 
-            self.graphs[size] = (capture(forward), metadata)
+            try:
+                self.graphs[size] = (capture(forward), metadata)
+            except GraphCaptureRefused as exc:
+                refused.setdefault(str(exc), []).append(size)
+        self.sizes = tuple(sorted(self.graphs))
         self.capture_seconds = time.perf_counter() - started
-        logger.info(
-            "captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes),
-            ",".join(map(str, self.sizes)), self.capture_seconds,
-        )
+        for why, sizes_refused in refused.items():
+            logger.info("decode graphs of batch sizes %s refused (they run eagerly): %s",
+                        ",".join(map(str, sorted(sizes_refused))), why)
+        if self.sizes:
+            logger.info(
+                "captured %d decode graphs (batch sizes %s) in %.2f s", len(self.sizes),
+                ",".join(map(str, self.sizes)), self.capture_seconds,
+            )
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether no size was captured (every one refused)."""
+        return not self.sizes
 
     @property
     def max_size(self) -> int:

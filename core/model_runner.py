@@ -287,11 +287,12 @@ class ModelRunner:
         ``max(sizes)`` requests replay them."""
         sizes = [s for s in sizes if s <= self.batch.block_table.shape[0]]  # never more rows than the batch
         with self._inference_mode:
-            self.graphs = DecodeGraphs(
+            graphs = DecodeGraphs(
                 self.model, self.attention, self.kv_caches, capture, sizes or [1], self.batch.block_table.shape[1],
                 self.block_size, self.backend.device,
             )
-        return self.graphs
+        self.graphs = None if graphs.is_empty else graphs  # every size refused: eager steps
+        return graphs
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.batch

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
-from ember.hardware import cpu_int_quant, cpu_kernels, cpu_quant
+from ember.hardware import cpu_graphs, cpu_int_quant, cpu_kernels, cpu_quant
 from ember.hardware.cpu_kernels import (
     PackedLinear,
     RowInvariantLinear,
@@ -68,7 +68,6 @@ class CPUAttentionMetadata:
     prefills: list[PrefillGroup]
     block_size: int
     all_decode: bool = False  # every row of the batch is a decode, in order
-    tables_checked: bool = False  # decode tables checked against the cache (native kernel)
     # (num_decodes, 1, 1, max_blocks * block_size) bool, built on first use
     decode_mask: torch.Tensor | None = None
     # a device graph's static metadata: rows with slot -1 are padding (graph_metadata)
@@ -158,7 +157,7 @@ class CPUAttention(BaseAttention):
                 metadata.mask()
         return metadata
 
-    supports_graphs = True  # the PyTorch-ops path (Gaudi's HPU graphs); the CPU backend has no graphs
+    supports_graphs = True  # CPU graphs (ember.hardware.cpu_graphs), and Gaudi's HPU graphs of its PyTorch ops
 
     def graph_metadata(
         self, batch_size: int, max_blocks: int, block_size: int, device: torch.device,
@@ -170,7 +169,8 @@ class CPUAttention(BaseAttention):
             torch.zeros(batch_size, max_blocks, dtype=torch.int64, device=device),
             torch.ones(batch_size, dtype=torch.int64, device=device), [], block_size, all_decode=True, padded=True,
         )
-        metadata.mask()
+        if self.kernels is None:
+            metadata.mask()
         return metadata
 
     def fill_graph_metadata(self, metadata: CPUAttentionMetadata, batch: AttentionBatch) -> None:
@@ -180,29 +180,25 @@ class CPUAttention(BaseAttention):
         metadata.decode_tables[:n, :width].copy_(batch.block_table, non_blocking=True)
         metadata.decode_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         metadata.decode_lens[n:].fill_(1)  # padding reads position 0 of its row's first block
-        max_len = metadata.decode_mask.shape[-1]
-        torch.lt(torch.arange(max_len, device=batch.device)[None, :], metadata.decode_lens[:, None],
-                 out=metadata.decode_mask.view(-1, max_len))
-        metadata.tables_checked = False
+        if metadata.decode_mask is not None:  # PyTorch's attention reads the mask; the native kernel does not
+            max_len = metadata.decode_mask.shape[-1]
+            torch.lt(torch.arange(max_len, device=batch.device)[None, :], metadata.decode_lens[:, None],
+                     out=metadata.decode_mask.view(-1, max_len))
 
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        slots = metadata.slot_mapping
-        kw, vw = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        if metadata.padded:
-            # In fixed shapes, padding rows (slot -1) write row 0's K/V to row 0's slot:
-            # duplicate indices with equal values, so the write stays exact. Before the
-            # first fill (capture) row 0 is padding too: it writes slot 0's own values back.
-            valid = slots >= 0
-            first = slots[:1].clamp(min=0)
-            first_valid = valid[:1, None, None]
-            k0 = torch.where(first_valid, kw[:1], flat_cache[0].index_select(0, first))
-            v0 = torch.where(first_valid, vw[:1], flat_cache[1].index_select(0, first))
-            slots = torch.where(valid, slots, first)
-            kw, vw = torch.where(valid[:, None, None], kw, k0), torch.where(valid[:, None, None], vw, v0)
-        flat_cache[0].index_copy_(0, slots, kw)
-        flat_cache[1].index_copy_(0, slots, vw)
+        kernels = self.kernels
+        if kernels is not None and k.dtype == kv_cache.dtype and k.stride() == v.stride():
+            # in place from the fused qkv's views; padding rows (slot -1) write nothing
+            kernels.kv_write(k, v, metadata.slot_mapping, flat_cache[0], flat_cache[1])
+        else:
+            self._write_cache(flat_cache, k.to(kv_cache.dtype), v.to(kv_cache.dtype), metadata)
+        native_decode = metadata.decode_lens is not None and kernels is not None and kv_cache.dtype == q.dtype \
+            and kernels.attention_supports(q.shape[1], num_kv_heads, head_dim, q.dtype)
+        if native_decode and metadata.all_decode:
+            return kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], metadata.decode_tables,
+                                                  metadata.decode_lens, scale)
         out = torch.empty_like(q)
         is_gqa = q.shape[1] != num_kv_heads
         # Prefill attention runs as one 4-D (batch 1) product: PyTorch's CPU flash
@@ -221,23 +217,10 @@ class CPUAttention(BaseAttention):
                 o = _attend_after_context(qs, k_ctx, v_ctx, ks, vs, scale, is_gqa)
             out[group.token_start : group.token_end] = o[0].transpose(0, 1)
         if metadata.decode_lens is not None:
-            kernels = self.kernels
-            if kernels is not None and kv_cache.dtype == q.dtype and kernels.attention_supports(
-                q.shape[1], num_kv_heads, head_dim, q.dtype
-            ):
-                num_decodes = metadata.decode_lens.shape[0]
-                tables = metadata.decode_tables
-                if not metadata.tables_checked:
-                    kernels.check_tables(tables, metadata.decode_lens, num_blocks, block_size)
-                    metadata.tables_checked = True
+            if native_decode:
                 rows = metadata.decode_token_index
-                o = kernels.paged_decode_attention(
-                    q if metadata.all_decode else q[rows], kv_cache[0], kv_cache[1], tables, metadata.decode_lens,
-                    scale, tables_checked=True,
-                )
-                if metadata.all_decode:
-                    return o
-                out[rows] = o
+                out[rows] = kernels.paged_decode_attention(q[rows], kv_cache[0], kv_cache[1], metadata.decode_tables,
+                                                           metadata.decode_lens, scale)
                 return out
             mask = metadata.mask()
             num_decodes, max_len = mask.shape[0], mask.shape[-1]
@@ -267,6 +250,24 @@ class CPUAttention(BaseAttention):
                 )
                 out[rows] = o.reshape(n, -1, head_dim)
         return out
+
+    @staticmethod
+    def _write_cache(flat_cache, kw, vw, metadata: CPUAttentionMetadata) -> None:
+        """The step's K/V into the cache with PyTorch (no native kernels, or another dtype)."""
+        slots = metadata.slot_mapping
+        if metadata.padded:
+            # In fixed shapes, padding rows (slot -1) write row 0's K/V to row 0's slot:
+            # duplicate indices with equal values, so the write stays exact. Before the
+            # first fill (capture) row 0 is padding too: it writes slot 0's own values back.
+            valid = slots >= 0
+            first = slots[:1].clamp(min=0)
+            first_valid = valid[:1, None, None]
+            k0 = torch.where(first_valid, kw[:1], flat_cache[0].index_select(0, first))
+            v0 = torch.where(first_valid, vw[:1], flat_cache[1].index_select(0, first))
+            slots = torch.where(valid, slots, first)
+            kw, vw = torch.where(valid[:, None, None], kw, k0), torch.where(valid[:, None, None], vw, v0)
+        flat_cache[0].index_copy_(0, slots, kw)
+        flat_cache[1].index_copy_(0, slots, vw)
 
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -496,7 +497,21 @@ class CPUBackend(BaseBackend):
         kernels = cpu_kernels.load()
         if kernels is None or compute_dtype not in cpu_kernels.KERNEL_DTYPES:
             return {}
-        return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul}
+        return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul,
+                "embedding": kernels.embedding}
+
+    # decode batch sizes captured as CPU graphs when the user names none: a graph saves
+    # the Python around a forward's native calls, which matters while the kernels are
+    # quick (few rows); past 32 rows a step's products take far longer than that Python
+    graph_batch_sizes = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+
+    def graph_capture(self):
+        # CPU graphs (ember.hardware.cpu_graphs): a forward that runs on the native
+        # kernels only (GGUF weights, bf16 weights at few rows) replays as one C call;
+        # one that runs PyTorch's ops (a float32 GEMM) is refused and runs eagerly
+        if cpu_kernels.load() is None:
+            return None
+        return cpu_graphs.capture
 
     def greedy_op(self):
         kernels = cpu_kernels.load()

@@ -3,7 +3,8 @@ products (``linear_op``) of its two paths built on them and on oneDNN.
 
 * ``gemv_bf16``: few-row linear over bfloat16 weights (decode of a small batch).
 * ``paged_decode_attention``: decode attention read in place from the paged KV cache.
-* ``rms_norm``, ``rope_``, ``silu_mul``: fused layer ops.
+* ``rms_norm``, ``rope_``, ``silu_mul``, ``embedding``: fused layer ops; ``kv_write``:
+  a step's K/V into the paged cache.
 * ``greedy``: argmax and its log-probability per row of logits.
 * ``onednn_linear``, ``SmallBatchLinear`` (fp32 path) and ``PackedLinear`` (bf16
   path): see ``ember.hardware.cpu_paths``.
@@ -24,8 +25,10 @@ head. Greedy sampling with PyTorch made four passes over the batch's logits, eac
 a fresh tensor (argmax, max, exp, sum); the kernel makes two, into nothing.
 
 The C source (``csrc/ember_cpu.c``, AVX2 + FMA, OpenMP) is compiled once with the
-system C compiler (``$CC``, else ``cc``) into ``<ember cache>/kernels/`` and loaded
-with ctypes; it shares PyTorch's OpenMP runtime and thread count. Where the CPU lacks
+system C compiler (``$CC``, else ``cc``) into ``<ember cache>/kernels/``
+(``trusted_library.build``) and loaded with ctypes; it shares PyTorch's OpenMP runtime
+and thread count. Every C function Python calls, here and in ``cpu_quant``, is a
+:class:`NativeFunction`, which a CPU graph can record (``ember.hardware.cpu_graphs``). Where the CPU lacks
 AVX2/FMA, or no compiler works, ``load()`` returns None (the reason is logged once)
 and the backend keeps PyTorch's kernels. ``EMBER_CPU_NATIVE=0`` turns this off.
 
@@ -38,35 +41,75 @@ loaded keeps it), and a kernel directory others could write to turns the kernels
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
+import struct
 import subprocess
 import sys
-import tempfile
-from importlib import resources
+import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ember.hardware.cpu_paths import cpu_flags
-from ember.hardware.trusted_library import (
-    UntrustedKernelError,
-    check_library,
-    load_checked,
-    make_private_dir,
-    record_path,
-)
+from ember.hardware.trusted_library import UntrustedKernelError, build, kernel_cache_dir, load_checked
 
 logger = logging.getLogger(__name__)
 
+# -- calls into the native libraries, which a CPU graph can record ----------------------------
+
+POINTER, INTEGER, FLOAT = "p", "i", "f"
+_KINDS = {ctypes.c_void_p: POINTER, ctypes.c_int: INTEGER, ctypes.c_int64: INTEGER, ctypes.c_float: FLOAT}
+# this thread's recorder while it captures a CPU graph (ember.hardware.cpu_graphs), else None
+_capture = threading.local()
+
+
+class NativeFunction:
+    """One C function of a native library: calling it calls the C function (ctypes),
+    and while this thread captures a CPU graph it also hands the call to the graph's
+    recorder. ``kinds``: its arguments' kinds (pointer, integer, float, from its ctypes
+    argtypes); ``packed``: the address of its ``<name>__packed`` twin, which takes the
+    same arguments as one int64 array and is what a replay calls (None: no twin, and a
+    capture that meets a call of it is refused)."""
+
+    __slots__ = ("name", "function", "kinds", "packed")
+
+    def __init__(self, lib: ctypes.CDLL, name: str, argtypes: list, restype) -> None:
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+        self.name = name
+        self.function = function
+        self.kinds = tuple(_KINDS[t] for t in argtypes)
+        twin = getattr(lib, f"{name}__packed", None)
+        self.packed = ctypes.cast(twin, ctypes.c_void_p).value if twin is not None else None
+
+    def __call__(self, *args):
+        recorder = getattr(_capture, "recorder", None)
+        if recorder is not None:
+            recorder.record(self, args)
+        return self.function(*args)
+
+    def pack(self, args) -> list[int]:
+        """``args`` as the ``__packed`` twin reads them: pointers and integers as int64,
+        a float as its float32 bits."""
+        if len(args) != len(self.kinds):
+            raise TypeError(f"{self.name} takes {len(self.kinds)} arguments, got {len(args)}")
+        return [
+            struct.unpack("<I", struct.pack("<f", value))[0] if kind == FLOAT else int(value or 0)
+            for kind, value in zip(self.kinds, args)
+        ]
+
+
+def set_recorder(recorder) -> None:
+    """Make ``recorder`` (``record(function, args)``) see this thread's native calls; None stops."""
+    _capture.recorder = recorder
+
+
+# -- the kernels of csrc/ember_cpu.c ---------------------------------------------------------------
+
 SOURCE = "ember_cpu.c"
-# no FMA contraction: explicit intrinsics choose where to fuse, and ember_rope's
-# plain C then rounds as PyTorch does
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-LIBS = ("-lm",)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of attention and the layer ops
 MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -81,12 +124,10 @@ class NativeKernels:
         self._gemv = _typed(lib, "ember_gemv_bf16", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int],
                             bf16_name="ember_gemv_bf16_bf16")
         # float32 and bfloat16 instantiations of attention and the layer ops, by dtype
+        vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._attention = _typed(lib, "ember_paged_decode_attention",
-                                 [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int])
-        self._greedy = lib.ember_greedy
-        self._greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int]
-        self._greedy.restype = None
+                                 [vp, i64] + [vp] * 5 + [i64] * 7 + [ctypes.c_float, ci], restype=ci)
+        self._greedy = NativeFunction(lib, "ember_greedy", [vp, i64, i64, vp, vp, ci], None)
         # greedy's outputs, per number of rows: reused (a decode step then creates no
         # tensor; each small allocation costs tens of microseconds right after a forward)
         self._greedy_out: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
@@ -95,6 +136,10 @@ class NativeKernels:
         self._rope = _typed(lib, "ember_rope",
                             [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         self._silu_mul = _typed(lib, "ember_silu_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+        self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci], ci)
+        self._embedding = NativeFunction(lib, "ember_embedding", [vp, i64, i64, vp, i64, vp], ci)
+        # a CPU graph's replay (ember.hardware.cpu_graphs): records, count, &failed index
+        self.replay = NativeFunction(lib, "ember_replay", [vp, i64, vp], ci)
 
     def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` (M, K) and ``bias`` (N,) both float32 or both
@@ -135,14 +180,15 @@ class NativeKernels:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-        tables_checked: bool = False,
     ) -> torch.Tensor:
-        """``q`` (B, Hq, D) float32 or bfloat16, one query token per request; ``k_cache``,
+        """``q`` (B, Hq, D) float32 or bfloat16, one query token per request (heads and
+        dims contiguous, rows any stride apart: the q part of a fused qkv); ``k_cache``,
         ``v_cache`` (num_blocks, block_size, Hkv, D) of q's dtype; ``block_tables`` (B, max_blocks) and
         ``context_lens`` (B,) int64. Returns softmax(scale q K^T) V over each request's
-        first ``context_lens[b]`` cached tokens, (B, Hq, D). ``tables_checked``: the
-        caller ran :meth:`check_tables` on these tables already (once per step, not
-        once per layer)."""
+        first ``context_lens[b]`` cached tokens, (B, Hq, D). ValueError naming the
+        problem, before any work, unless every length lies in ``[1, max_blocks *
+        block_size]`` and every block id a request reads in ``[0, num_blocks)`` (the
+        kernel checks: it reads where the tables point)."""
         B, Hq, D = q.shape
         num_blocks, block_size, Hkv, Dk = k_cache.shape
         if not self.attention_supports(Hq, Hkv, D, q.dtype) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -161,33 +207,22 @@ class NativeKernels:
             raise ValueError(f"paged_decode_attention: context_lens must be int64 ({B},), "
                              f"got {context_lens.dtype} {tuple(context_lens.shape)}")
         max_blocks = block_tables.shape[1]
-        if not tables_checked:
-            self.check_tables(block_tables, context_lens, num_blocks, block_size)
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("paged_decode_attention: the caches must be contiguous")
-        q = q.contiguous()
+        if q.stride(2) != 1 or q.stride(1) != D:
+            q = q.contiguous()
         block_tables = block_tables.contiguous()
-        out = torch.empty_like(q)
-        self._attention[q.dtype](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, scale, torch.get_num_threads(),
+        out = torch.empty(B, Hq, D, dtype=q.dtype)
+        rc = self._attention[q.dtype](
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, num_blocks, scale,
+            torch.get_num_threads(),
         )
+        if rc == -1:
+            raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_blocks * block_size}]")
+        if rc:
+            raise ValueError(f"paged_decode_attention: block ids must lie in [0, {num_blocks})")
         return out
-
-    @staticmethod
-    def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
-        """Raise ValueError unless every block id and length stays inside the cache:
-        the kernel reads where the tables point."""
-        if not context_lens.numel():
-            return
-        max_len = block_tables.shape[1] * block_size
-        low, high = (int(v) for v in torch.aminmax(context_lens))
-        if low < 1 or high > max_len:
-            raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_len}]")
-        if block_tables.numel():
-            low, high = (int(v) for v in torch.aminmax(block_tables))
-            if low < 0 or high >= num_blocks:
-                raise ValueError(f"paged_decode_attention: block ids must lie in [0, {num_blocks})")
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of float32 ``logits`` (rows, vocab): the first index of the largest
@@ -250,6 +285,44 @@ class NativeKernels:
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        """``k_cache[slots[t]] = k[t]`` and the same for v, for ``k``, ``v`` (T, Hkv, D)
+        (heads and dims contiguous, rows any stride apart, the same for both) and caches
+        (num_slots, Hkv, D) of their dtype; a negative slot (padding) writes nothing.
+        ValueError naming a slot past the cache (nothing written then)."""
+        T, heads, D = k.shape
+        if v.shape != k.shape or v.stride() != k.stride() or k.stride(2) != 1 or k.stride(1) != D:
+            raise ValueError(f"kv_write: k {tuple(k.shape)} {k.stride()} and v {tuple(v.shape)} {v.stride()} "
+                             "must have contiguous heads and the same strides")
+        if k_cache.dtype != k.dtype or v.dtype != k.dtype or v_cache.dtype != k.dtype:
+            raise ValueError(f"kv_write: k {k.dtype}, v {v.dtype} and caches {k_cache.dtype} must share a dtype")
+        if k_cache.shape[1:] != (heads, D) or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() \
+                or not v_cache.is_contiguous() or slots.dtype != torch.int64 or slots.shape != (T,):
+            raise ValueError(f"kv_write: caches {tuple(k_cache.shape)} and slots {slots.dtype} "
+                             f"{tuple(slots.shape)} do not fit k {tuple(k.shape)}")
+        size = k.element_size()
+        rc = self._kv_write(k.data_ptr(), v.data_ptr(), k.stride(0) * size, slots.data_ptr(), T, k_cache.data_ptr(),
+                            v_cache.data_ptr(), k_cache.shape[0], heads * D * size, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"kv_write: a slot lies past the cache's {k_cache.shape[0]} slots")
+
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``table[ids]`` for int64 ``ids`` (T,) and a contiguous ``table`` (V, H) of any
+        dtype: (T, H) of the table's. IndexError naming the vocabulary for an id
+        outside it (nothing computed then)."""
+        if ids.dtype != torch.int64 or ids.dim() != 1 or table.dim() != 2 or not table.is_contiguous():
+            raise ValueError(f"embedding takes int64 ids (T,) and a contiguous table (V, H), "
+                             f"got {ids.dtype} {tuple(ids.shape)} and {tuple(table.shape)}")
+        ids = ids.contiguous()
+        V, H = table.shape
+        out = torch.empty(ids.shape[0], H, dtype=table.dtype)
+        rc = self._embedding(table.data_ptr(), V, H * table.element_size(), ids.data_ptr(), ids.shape[0],
+                             out.data_ptr())
+        if rc:
+            raise IndexError(f"embedding: a token id lies outside the vocabulary [0, {V})")
         return out
 
 
@@ -414,65 +487,16 @@ class RowInvariantLinear:
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _typed(lib: ctypes.CDLL, name: str, argtypes: list, bf16_name: str | None = None) -> dict[torch.dtype, object]:
-    """``{torch.float32: name, torch.bfloat16: name_bf16}`` (or ``bf16_name``) with
-    their argument types."""
-    functions = {}
-    for dtype, symbol in ((torch.float32, name), (torch.bfloat16, bf16_name or name + "_bf16")):
-        function = getattr(lib, symbol)
-        function.argtypes = argtypes
-        function.restype = None
-        functions[dtype] = function
-    return functions
+def _typed(lib: ctypes.CDLL, name: str, argtypes: list, bf16_name: str | None = None,
+           restype=None) -> dict[torch.dtype, object]:
+    """``{torch.float32: name, torch.bfloat16: name_bf16}`` (or ``bf16_name``) as
+    :class:`NativeFunction`s with their argument types."""
+    return {dtype: NativeFunction(lib, symbol, argtypes, restype)
+            for dtype, symbol in ((torch.float32, name), (torch.bfloat16, bf16_name or name + "_bf16"))}
 
 
 _LOADED: NativeKernels | None = None
 _TRIED = False
-
-
-def _cache_dir() -> Path:
-    from ember.weights.resolver import ember_cache_dir
-
-    return ember_cache_dir() / "kernels"
-
-
-def build(source: str, out_dir: Path) -> Path:
-    """Compile ``source`` into ``out_dir`` (named by the source and flags' hash) and
-    record its sha256 beside it; reuse an earlier build that passes `check_library`,
-    rebuild one that does not (the reason logged). Raises RuntimeError naming the
-    compiler's complaint, or why ``out_dir`` cannot be trusted."""
-    text = (resources.files("ember.hardware") / "csrc" / source).read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (set CC or install gcc)")
-    digest = hashlib.sha256(text + " ".join(FLAGS + LIBS).encode() + compiler.encode()).hexdigest()[:16]
-    target = out_dir / f"{Path(source).stem}-{digest}.so"
-    make_private_dir(out_dir)
-    if target.exists():
-        with open(target, "rb") as f:
-            problem = check_library(f, target)
-        if problem is None:
-            return target
-        logger.warning("rebuilding the native CPU kernels %s: %s", target, problem)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / source
-        src.write_bytes(text)
-        built = Path(tmp) / target.name
-        # relative names: no temporary path in the output, so concurrent builds write the same bytes
-        proc = subprocess.run(
-            [compiler, *FLAGS, src.name, "-o", built.name, *LIBS], cwd=tmp, capture_output=True, text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        built.chmod(0o755)  # whatever the umask: writable by this user only
-        sha256 = hashlib.sha256(built.read_bytes()).hexdigest()
-        os.replace(built, target)  # atomic: concurrent builders leave one whole file
-        record = Path(tmp) / "record"
-        record.write_text(f"{sha256}  {target.name}\n")
-        record.chmod(0o644)
-        os.replace(record, record_path(target))  # after the library: a record never names a missing build
-    return target
 
 
 def load() -> NativeKernels | None:
@@ -492,7 +516,7 @@ def load() -> NativeKernels | None:
             reason = f"this CPU lacks {', '.join(missing)}"
     if reason is None:
         try:
-            path = build(SOURCE, _cache_dir())
+            path = build(SOURCE, kernel_cache_dir())
             _LOADED = NativeKernels(load_checked(path), path)
         except UntrustedKernelError as exc:
             reason, level = str(exc), logging.WARNING

@@ -31,7 +31,7 @@ grant the process the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked onc
 when ``amx`` was forced.
 
 The library is compiled and trusted as ``ember.hardware.cpu_kernels`` does its own
-(``cpu_kernels.build``: once per machine, into ``<ember cache>/kernels/``, sha256
+(``trusted_library.build``: once per machine, into ``<ember cache>/kernels/``, sha256
 recorded and checked before loading). ``EMBER_CPU_NATIVE=0`` turns it off with the
 others; where it cannot be built or loaded, ``load()`` returns None (reason logged)
 and quantized linears dequantize per call.
@@ -47,9 +47,9 @@ import sys
 from pathlib import Path
 
 import torch
-from ember.hardware import cpu_kernels
+from ember.hardware.cpu_kernels import NativeFunction
 from ember.hardware.cpu_paths import cpu_flags, select_path
-from ember.hardware.trusted_library import UntrustedKernelError, load_checked
+from ember.hardware.trusted_library import UntrustedKernelError, build, kernel_cache_dir, load_checked
 from ember.quantization import QuantizedLinearOp, QuantizedWeight
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 SOURCE = "ember_quant.c"
 ISAS = ("amx", "avx512vnni", "avx2", "ref")  # best first
 ISA_IDS = {"ref": 0, "avx2": 1, "avx512vnni": 2, "amx": 3}
-# the whole library is compiled with -mavx2 -mfma (cpu_kernels.FLAGS), ref included
+# the whole library is compiled with -mavx2 -mfma (trusted_library.FLAGS), ref included
 ISA_CPU_FLAGS = {
     "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
     "avx512vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
@@ -144,16 +144,17 @@ class QuantKernels:
         self.path = path
         self.isa = isa
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._act = _fn(lib, "ember_quant_act", [vp, i64, i64, vp, vp, vp, ci], None)
-        self._linear = _fn(lib, "ember_quant_linear", [ci, ci, vp, i64, i64, vp, vp, vp, i64, vp, vp, ci], ci)
-        self._linear_f32 = _fn(lib, "ember_quant_linear_f32", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
-        self._dequant = _fn(lib, "ember_quant_dequant", [ci, vp, i64, i64, vp, ci], ci)
+        native = NativeFunction  # every product and conversion: a CPU graph records them
+        self._act = native(lib, "ember_quant_act", [vp, i64, i64, vp, vp, vp, ci], None)
+        self._linear = native(lib, "ember_quant_linear", [ci, ci, vp, i64, i64, vp, vp, vp, i64, vp, vp, ci], ci)
+        self._linear_f32 = native(lib, "ember_quant_linear_f32", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        self._dequant = native(lib, "ember_quant_dequant", [ci, vp, i64, i64, vp, ci], ci)
         self._has_kernel = _fn(lib, "ember_quant_has_kernel", [ci, ci], ci)
-        self._repack_x8 = _fn(lib, "ember_quant_repack_x8", [ci, vp, i64, i64, vp], ci)
-        self._dequant_x8 = _fn(lib, "ember_quant_dequant_x8", [ci, vp, i64, i64, vp, ci], ci)
-        self._linear_x8 = _fn(lib, "ember_quant_linear_x8", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        self._repack_x8 = native(lib, "ember_quant_repack_x8", [ci, vp, i64, i64, vp], ci)
+        self._dequant_x8 = native(lib, "ember_quant_dequant_x8", [ci, vp, i64, i64, vp, ci], ci)
+        self._linear_x8 = native(lib, "ember_quant_linear_x8", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
         self._amx_init = _fn(lib, "ember_quant_amx_init", [], ci)
-        self._linear_x8_bf16 = _fn(lib, "ember_quant_linear_x8_bf16", [ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        self._linear_x8_bf16 = native(lib, "ember_quant_linear_x8_bf16", [ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
         self._amx: bool | None = None
 
     def amx_granted(self) -> bool:
@@ -467,6 +468,8 @@ def linear_ops() -> dict[str, type[QuantizedLinearOp]]:
 
 
 def _fn(lib, name: str, argtypes: list, restype):
+    """A plain ctypes function: for queries that touch no tensor (the products are
+    :class:`NativeFunction`s, which a CPU graph records)."""
     function = getattr(lib, name)
     function.argtypes = argtypes
     function.restype = restype
@@ -524,7 +527,7 @@ def load() -> QuantKernels | None:
     _TRIED = True
     if reason is None:
         try:
-            path = cpu_kernels.build(SOURCE, cpu_kernels._cache_dir())
+            path = build(SOURCE, kernel_cache_dir())
             _LOADED = QuantKernels(load_checked(path), path, isa)
         except UntrustedKernelError as exc:
             reason, level = str(exc), logging.WARNING

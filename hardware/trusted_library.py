@@ -1,4 +1,5 @@
-"""Loading a cached native library only when it can be trusted.
+"""Ember's native libraries (``csrc/*.c``): compiled once per machine into the Ember
+cache (`build`), and loaded only when they can be trusted.
 
 Loading a library runs its code, so a cached one is trusted only as ssh trusts its
 files: the directory must be this user's and writable by no one else (`make_private_dir`
@@ -12,12 +13,24 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
+logger = logging.getLogger(__name__)
+
 RECORD_SUFFIX = ".sha256"  # beside the library: its sha256 when built
+# every library is built with these (the GGUF kernels add their instruction sets per
+# function, as target attributes); no FMA contraction: explicit intrinsics choose
+# where to fuse, and ember_rope's plain C then rounds as PyTorch does
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
 
 
 class UntrustedKernelError(RuntimeError):
@@ -95,3 +108,48 @@ def load_checked(path: Path) -> ctypes.CDLL:
     except OSError:
         os.close(fd)
         raise
+
+
+def kernel_cache_dir() -> Path:
+    from ember.weights.resolver import ember_cache_dir
+
+    return ember_cache_dir() / "kernels"
+
+
+def build(source: str, out_dir: Path) -> Path:
+    """Compile ``source`` into ``out_dir`` (named by the source and flags' hash) and
+    record its sha256 beside it; reuse an earlier build that passes `check_library`,
+    rebuild one that does not (the reason logged). Raises RuntimeError naming the
+    compiler's complaint, or why ``out_dir`` cannot be trusted."""
+    text = (resources.files("ember.hardware") / "csrc" / source).read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (set CC or install gcc)")
+    digest = hashlib.sha256(text + " ".join(FLAGS + LIBS).encode() + compiler.encode()).hexdigest()[:16]
+    target = out_dir / f"{Path(source).stem}-{digest}.so"
+    make_private_dir(out_dir)
+    if target.exists():
+        with open(target, "rb") as f:
+            problem = check_library(f, target)
+        if problem is None:
+            return target
+        logger.warning("rebuilding the native library %s: %s", target, problem)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / source
+        src.write_bytes(text)
+        built = Path(tmp) / target.name
+        # relative names: no temporary path in the output, so concurrent builds write the same bytes
+        proc = subprocess.run(
+            [compiler, *FLAGS, src.name, "-o", built.name, *LIBS], cwd=tmp, capture_output=True, text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        built.chmod(0o755)  # whatever the umask: writable by this user only
+        sha256 = hashlib.sha256(built.read_bytes()).hexdigest()
+        os.replace(built, target)  # atomic: concurrent builders leave one whole file
+        record = Path(tmp) / "record"
+        record.write_text(f"{sha256}  {target.name}\n")
+        record.chmod(0o644)
+        os.replace(record, record_path(target))  # after the library: a record never names a missing build
+    return target

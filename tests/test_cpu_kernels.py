@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.hardware import cpu_kernels
+from ember.hardware import cpu_kernels, trusted_library
 from ember.hardware.cpu import CPUBackend
 from ember.hardware.cpu_kernels import SmallBatchLinear
 
@@ -60,16 +60,16 @@ def test_gemv_bf16_names_bad_arguments(kernels, x, weight, bias, match):
 
 
 def test_build_reuses_the_cached_library_and_names_a_failing_compiler(tmp_path, monkeypatch):
-    first = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path)
+    first = trusted_library.build(cpu_kernels.SOURCE, tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels.build(cpu_kernels.SOURCE, tmp_path) == first
+    assert trusted_library.build(cpu_kernels.SOURCE, tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
     # no temporary files left; the library's sha256 is recorded beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]
     assert (tmp_path / (first.name + ".sha256")).read_text().split()[0] == _sha256(first)
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "other")
+        trusted_library.build(cpu_kernels.SOURCE, tmp_path / "other")
 
 
 def test_load_is_off_when_asked_or_when_nothing_compiles(tmp_path, monkeypatch, caplog):
@@ -124,7 +124,7 @@ def planted_library(native_kernels, tmp_path):
 @pytest.mark.parametrize("record", ["kept", "removed"])
 def test_a_replaced_cached_library_is_not_loaded_but_rebuilt(tmp_path, first_load, planted_library, caplog, record):
     """Someone swaps the cached .so (keeping or removing its sha256 record): its code never runs."""
-    target = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    target = trusted_library.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
     sidecar = target.with_name(target.name + ".sha256")
     if record == "removed":
         sidecar.unlink()
@@ -138,7 +138,7 @@ def test_a_replaced_cached_library_is_not_loaded_but_rebuilt(tmp_path, first_loa
 
 
 def test_a_library_writable_by_others_is_rebuilt(tmp_path, first_load, native_kernels, caplog):
-    target = cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    target = trusted_library.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
     target.chmod(0o777)
     with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
         assert first_load() is not None
@@ -150,7 +150,7 @@ def test_a_library_writable_by_others_is_rebuilt(tmp_path, first_load, native_ke
 def test_a_kernel_directory_writable_by_others_is_refused(tmp_path, first_load, planted_library, caplog, mode):
     """A directory others can write to could have anything swapped in: PyTorch's kernels are used instead."""
     directory = tmp_path / "cache" / "kernels"
-    target = cpu_kernels.build(cpu_kernels.SOURCE, directory)
+    target = trusted_library.build(cpu_kernels.SOURCE, directory)
     directory.chmod(mode)
     os.replace(shutil.copy(planted_library, tmp_path / "swap.so"), target)
     with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
@@ -162,7 +162,7 @@ def test_a_kernel_directory_writable_by_others_is_refused(tmp_path, first_load, 
 
 
 def test_a_kernel_cache_owned_by_another_user_is_refused(tmp_path, first_load, native_kernels, monkeypatch, caplog):
-    cpu_kernels.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
+    trusted_library.build(cpu_kernels.SOURCE, tmp_path / "cache" / "kernels")
     real_uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
     with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):

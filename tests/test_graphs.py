@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU here
 
@@ -88,9 +89,15 @@ def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
     assert all(replays[size] for size in (1, 2, 4, 8)), replays  # every size replayed, most of them padded
 
 
-def test_the_cpu_backend_has_no_graphs_and_graph_sizes_are_validated(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512))
-    assert engine.backend.graph_capture() is None and engine.runner.graphs is None
+def test_a_float32_model_refuses_cpu_graphs_and_graph_sizes_are_validated(tiny_llama_dir, caplog):
+    # its products are PyTorch GEMMs, which a CPU graph cannot record (tests/test_cpu_graphs.py)
+    with caplog.at_level(logging.INFO, logger="ember.graphs"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512))
+    assert engine.backend.graph_capture() is not None and engine.runner.graphs is None
+    # (oneDNN's linear, or F.linear's aten.mm where oneDNN's is unavailable)
+    assert re.search(r"decode graphs of batch sizes 1,2,3,4,5,6,7,8,12,16,24,32 refused \(they run eagerly\): the "
+                     r"forward computes (mkldnn._linear_pointwise|aten.mm).default outside the native kernels",
+                     caplog.text), caplog.text
     with pytest.raises(ValueError, match=r"graph_sizes must be positive integers, got \[4, 0\]"):
         EngineConfig(graph_sizes=(4, 0))
     assert EngineConfig(graph_sizes=(8, 1, 8)).graph_sizes == (1, 8)

@@ -145,6 +145,23 @@ class FusableOp(nn.Module):
     fused = None
 
 
+class Embedding(nn.Embedding, FusableOp):
+    """Token embeddings (an ``nn.Embedding`` whose weight is loaded, not trained): rows
+    of ``weight`` (vocab, hidden) by id, in the weight's dtype. Fused op
+    ``embedding(ids, weight)``."""
+
+    op_name = "embedding"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.weight.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(ids, self.weight)
+        return super().forward(ids)
+
+
 class RMSNorm(FusableOp):
     """RMSNorm computed in float32, as the reference implementation does.
     Fused op ``rms_norm(x, residual, weight, eps)``."""

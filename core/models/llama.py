@@ -15,7 +15,7 @@ from torch import nn
 
 from ember.backend import BaseAttention
 from ember.models.base import BaseCausalLM, KVCacheSpec
-from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from ember.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
 from ember.parallel.model import (
     build_parallel_shard, gather_logits, parallel_attention, parallel_mlp, pipeline_forward,
 )
@@ -137,8 +137,7 @@ class LlamaForCausalLM(BaseCausalLM):
         self.layer_range = (0, cfg.num_hidden_layers) if parallel is None else parallel.layer_range(cfg.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if parallel is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-            self.embed_tokens.weight.requires_grad_(False)
+            self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
             self.layers = nn.ModuleList(
                 LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device) for _ in range(cfg.num_hidden_layers)
             )
@@ -178,7 +177,7 @@ class LlamaForCausalLM(BaseCausalLM):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids).to(self.compute_dtype)
+        return self.embed_tokens.forward(input_ids).to(self.compute_dtype)
 
     def run_layers(self, positions, hidden, residual, kv_caches, attn_metadata):
         """This rank's layers (``layer_range``) over ``hidden`` (and the running residual, None before the first)."""

@@ -5,6 +5,9 @@
  *   ember_paged_decode_attention  one query token per request over the paged KV cache
  *   ember_greedy                  argmax and its log-probability, per row of logits
  *   ember_rms_norm, ember_rope, ember_silu_mul   fused layer ops
+ *   ember_kv_write, ember_embedding              a step's K/V into the paged cache; token rows
+ *   ember_replay                  runs a CPU graph: recorded calls of these kernels (and of
+ *                                 ember_quant.c's), through their X__packed forms
  *
  * Attention and the layer ops come in two instantiations of one body: float32
  * tensors (ember_X) and bfloat16 tensors (ember_X_bf16, the CPU's bf16 path). The
@@ -205,6 +208,32 @@ static inline void prefetch(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
 }
 
+/* o[0 .. 8n) += sum_j s[j] * V row j (n_t rows of row elements from v), n <= 8 vectors */
+INLINE void weigh_values(float *o, const float *s, const void *v_cache, int64_t v, int64_t row, int64_t n_t, int n,
+                         int bf16) {
+    __m256 a[8];
+    for (int i = 0; i < n; ++i) a[i] = _mm256_loadu_ps(o + 8 * i);
+    for (int64_t j = 0; j < n_t; ++j) {
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(p, ld8(v_cache, v + j * row + 8 * i, bf16), a[i]);
+    }
+    for (int i = 0; i < n; ++i) _mm256_storeu_ps(o + 8 * i, a[i]);
+}
+
+/* this thread's score buffer of at least n floats, kept between calls (a malloc and
+ * free per call and thread cost more than a short decode's attention) */
+static float *attention_scores(int64_t n) {
+    static __thread float *scores = NULL;
+    static __thread int64_t capacity = 0;
+    if (n > capacity) {
+        free(scores);
+        capacity = n * 2;
+        scores = (float *)malloc(sizeof(float) * capacity);
+        if (!scores) capacity = 0;
+    }
+    return scores;
+}
+
 static inline __m256 hsum8(const __m256 a[8]) {
     /* [sum a0, sum a1, ..., sum a7] */
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -214,31 +243,33 @@ static inline __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
 }
 
-INLINE void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                    const int64_t *block_tables, const int64_t *context_lens, void *out,
                                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
                                    int64_t max_blocks, float scale, int nthreads, int bf16) {
     const int64_t G = Hq / Hkv, row = Hkv * D;
+    /* fewer requests than threads: one task per (request, KV head), so one decode's
+     * heads share the cores; else one task per request, every head on each block */
+    const int64_t splits = B < nthreads ? Hkv : 1, heads_per_task = Hkv / splits;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = NULL;  /* (Hq, L) */
-        int64_t capacity = 0;
         float acc[16384], qf[16384];
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b) {
+        for (int64_t task = 0; task < B * splits; ++task) {
+            const int64_t b = task / splits, hq0 = task % splits * heads_per_task * G, hq1 = hq0 + heads_per_task * G;
             const int64_t L = context_lens[b];
             const int64_t *table = block_tables + b * max_blocks;
             const float *qb;
             if (bf16) {
-                for (int64_t i = 0; i < Hq * D; i += 8) _mm256_storeu_ps(qf + i, ld8(q, b * Hq * D + i, 1));
+                for (int64_t i = hq0 * D; i < hq1 * D; i += 8) _mm256_storeu_ps(qf + i, ld8(q, b * q_stride + i, 1));
                 qb = qf;
             } else {
-                qb = (const float *)q + b * Hq * D;
+                qb = (const float *)q + b * q_stride;
             }
-            if (Hq * L > capacity) {
-                free(scores);
-                capacity = Hq * L * 2;
-                scores = (float *)malloc(sizeof(float) * capacity);
+            float *scores = attention_scores(Hq * L);  /* (Hq, L) */
+            if (!scores) {  /* out of memory: this task's heads say so */
+                for (int64_t i = hq0 * D; i < hq1 * D; ++i) st1(out, b * Hq * D + i, NAN, bf16);
+                continue;
             }
             const int64_t esize = bf16 ? 2 : 4;
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
@@ -248,8 +279,8 @@ INLINE void paged_decode_attention(const void *q, const void *k_cache, const voi
                 const char *next = t0 + block_size < L
                     ? (const char *)k_cache + table[t0 / block_size + 1] * block_size * row * esize : NULL;
                 const int64_t share = (block_size * row * esize / 64 + Hq - 1) / Hq * 64;
-                for (int64_t hq = 0; hq < Hq; ++hq) {
-                    if (next) prefetch(next + hq * share, share);
+                for (int64_t hq = hq0; hq < hq1; ++hq) {
+                    if (next && splits == 1) prefetch(next + hq * share, share);
                     const float *qh = qb + hq * D;
                     const int64_t k = block + (hq / G) * D;
                     float *s = scores + hq * L + t0;
@@ -273,60 +304,72 @@ INLINE void paged_decode_attention(const void *q, const void *k_cache, const voi
                 }
             }
             float inv[4096];
-            for (int64_t hq = 0; hq < Hq; ++hq) {
+            for (int64_t hq = hq0; hq < hq1; ++hq) {
                 float *s = scores + hq * L, m = -INFINITY;
                 for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
                 inv[hq] = 1.0f / sum_exp(s, L, m, 1);
             }
-            memset(acc, 0, sizeof(float) * Hq * D);
+            memset(acc + hq0 * D, 0, sizeof(float) * (hq1 - hq0) * D);
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
                 const char *next = t0 + block_size < L
                     ? (const char *)v_cache + table[t0 / block_size + 1] * block_size * row * esize : NULL;
                 const int64_t share = (block_size * row * esize / 64 + Hq - 1) / Hq * 64;
-                for (int64_t hq = 0; hq < Hq; ++hq) {
-                    if (next) prefetch(next + hq * share, share);
+                for (int64_t hq = hq0; hq < hq1; ++hq) {
+                    if (next && splits == 1) prefetch(next + hq * share, share);
                     const float *s = scores + hq * L + t0;
                     const int64_t v = block + (hq / G) * D;
-                    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                        const int64_t n = D - d0 < 64 ? (D - d0) / 8 : 8;
-                        float *o = acc + hq * D + d0;
-                        __m256 a[8];
-                        for (int i = 0; i < n; ++i) a[i] = _mm256_loadu_ps(o + 8 * i);
-                        for (int64_t j = 0; j < n_t; ++j) {
-                            const __m256 p = _mm256_set1_ps(s[j]);
-                            for (int i = 0; i < n; ++i)
-                                a[i] = _mm256_fmadd_ps(p, ld8(v_cache, v + j * row + d0 + 8 * i, bf16), a[i]);
-                        }
-                        for (int i = 0; i < n; ++i) _mm256_storeu_ps(o + 8 * i, a[i]);
-                    }
+                    int64_t d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64)  /* a constant 8 accumulators: kept in registers */
+                        weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, 8, bf16);
+                    if (d0 < D) weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, (D - d0) / 8, bf16);
                 }
             }
-            for (int64_t hq = 0; hq < Hq; ++hq) {
+            for (int64_t hq = hq0; hq < hq1; ++hq) {
                 const __m256 iv = _mm256_set1_ps(inv[hq]);
                 for (int64_t d = 0; d < D; d += 8)
                     st8(out, (b * Hq + hq) * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + hq * D + d), iv), bf16);
             }
         }
-        free(scores);
     }
 }
 
-void ember_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
-                                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int nthreads) {
-    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
-                           max_blocks, scale, nthreads, 0);
+/* 0 if every request's length lies in [1, max_blocks * block_size] and every block id
+ * it reads in [0, num_blocks); else -1 (a length) or -2 (a block id): the kernel reads
+ * where the tables point */
+static int check_tables(const int64_t *block_tables, const int64_t *context_lens, int64_t B, int64_t block_size,
+                        int64_t max_blocks, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = context_lens[b], *table = block_tables + b * max_blocks;
+        if (L < 1 || L > max_blocks * block_size) return -1;
+        for (int64_t i = 0; i < (L + block_size - 1) / block_size; ++i)
+            if (table[i] < 0 || table[i] >= num_blocks) return -2;
+    }
+    return 0;
 }
 
-void ember_paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                       const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
-                                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                       int64_t max_blocks, float scale, int nthreads) {
-    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
+int ember_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                 const int64_t *block_tables, const int64_t *context_lens, float *out,
+                                 int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                 int64_t max_blocks, int64_t num_blocks, float scale, int nthreads) {
+    const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
+    if (rc) return rc;
+    paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
+                           max_blocks, scale, nthreads, 0);
+    return 0;
+}
+
+int ember_paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                      const uint16_t *v_cache, const int64_t *block_tables,
+                                      const int64_t *context_lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv,
+                                      int64_t D, int64_t block_size, int64_t max_blocks, int64_t num_blocks,
+                                      float scale, int nthreads) {
+    const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
+    if (rc) return rc;
+    paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
                            max_blocks, scale, nthreads, 1);
+    return 0;
 }
 
 /* ember_greedy: per row of logits (rows, V): ids[r] = the first index of the row's
@@ -465,4 +508,106 @@ void ember_silu_mul(const float *gu, float *out, int64_t rows, int64_t I, int nt
 
 void ember_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int nthreads) {
     silu_mul(gu, out, rows, I, nthreads, 1);
+}
+
+/* ember_kv_write: this step's K and V rows into the paged cache. Token t (rows of
+ * row_bytes, src_stride bytes apart in k and v: views of a fused qkv) goes to cache
+ * slot slots[t] of k_cache / v_cache (num_slots rows of row_bytes); a negative slot
+ * (a padding row of a CPU graph) writes nothing. -1, and nothing written, if a slot is
+ * num_slots or more. */
+int ember_kv_write(const char *k, const char *v, int64_t src_stride, const int64_t *slots, int64_t T,
+                   char *k_cache, char *v_cache, int64_t num_slots, int64_t row_bytes, int nthreads) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= num_slots) return -1;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 256)
+    for (int64_t t = 0; t < T; ++t) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_bytes, k + t * src_stride, row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, v + t * src_stride, row_bytes);
+    }
+    return 0;
+}
+
+/* ember_embedding: out[t] = table[ids[t]], rows of row_bytes of a (V, row) table. -1,
+ * and nothing written, if an id lies outside [0, V). */
+int ember_embedding(const char *table, int64_t V, int64_t row_bytes, const int64_t *ids, int64_t T, char *out) {
+    for (int64_t t = 0; t < T; ++t)
+        if (ids[t] < 0 || ids[t] >= V) return -1;
+    for (int64_t t = 0; t < T; ++t) memcpy(out + t * row_bytes, table + ids[t] * row_bytes, row_bytes);
+    return 0;
+}
+
+/* ---- CPU graphs (ember.hardware.cpu_graphs) ----------------------------------------
+ * Every kernel a graph can record has a twin X__packed(const int64_t *a) taking its
+ * arguments as one array (pointers as addresses, ints as values, a float as its
+ * float32 bits in the low half), returning the kernel's code (0 for a void kernel).
+ * ember_replay runs a recorded forward: one call per record, in order. */
+typedef int (*packed_fn)(const int64_t *);
+#define PTR(i) ((void *)(intptr_t)a[i])
+static inline float packed_float(int64_t v) {
+    uint32_t u = (uint32_t)v;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+int ember_gemv_bf16__packed(const int64_t *a) {
+    ember_gemv_bf16(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]);
+    return 0;
+}
+int ember_gemv_bf16_bf16__packed(const int64_t *a) {
+    ember_gemv_bf16_bf16(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]);
+    return 0;
+}
+int ember_paged_decode_attention__packed(const int64_t *a) {
+    return ember_paged_decode_attention(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8], a[9],
+                                        a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15]);
+}
+int ember_paged_decode_attention_bf16__packed(const int64_t *a) {
+    return ember_paged_decode_attention_bf16(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8],
+                                             a[9], a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15]);
+}
+int ember_rms_norm__packed(const int64_t *a) {
+    ember_rms_norm(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5], a[6], packed_float(a[7]), (int)a[8]);
+    return 0;
+}
+int ember_rms_norm_bf16__packed(const int64_t *a) {
+    ember_rms_norm_bf16(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5], a[6], packed_float(a[7]), (int)a[8]);
+    return 0;
+}
+int ember_rope__packed(const int64_t *a) {
+    ember_rope(PTR(0), a[1], a[2], a[3], a[4], PTR(5), PTR(6), PTR(7), (int)a[8]);
+    return 0;
+}
+int ember_rope_bf16__packed(const int64_t *a) {
+    ember_rope_bf16(PTR(0), a[1], a[2], a[3], a[4], PTR(5), PTR(6), PTR(7), (int)a[8]);
+    return 0;
+}
+int ember_silu_mul__packed(const int64_t *a) {
+    ember_silu_mul(PTR(0), PTR(1), a[2], a[3], (int)a[4]);
+    return 0;
+}
+int ember_silu_mul_bf16__packed(const int64_t *a) {
+    ember_silu_mul_bf16(PTR(0), PTR(1), a[2], a[3], (int)a[4]);
+    return 0;
+}
+int ember_kv_write__packed(const int64_t *a) {
+    return ember_kv_write(PTR(0), PTR(1), a[2], PTR(3), a[4], PTR(5), PTR(6), a[7], a[8], (int)a[9]);
+}
+int ember_embedding__packed(const int64_t *a) {
+    return ember_embedding(PTR(0), a[1], a[2], PTR(3), a[4], PTR(5));
+}
+
+/* ember_replay: n records, each [X__packed, number of arguments, arguments...], run in
+ * order; 0, or the first failing call's code (its index in *failed, nothing after it run) */
+int ember_replay(const int64_t *records, int64_t n, int64_t *failed) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int rc = ((packed_fn)(intptr_t)records[0])(records + 2);
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+        records += 2 + records[1];
+    }
+    return 0;
 }

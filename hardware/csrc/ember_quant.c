@@ -1059,6 +1059,20 @@ int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64
     return rc;
 }
 
+/* The products a CPU graph records (ember.hardware.cpu_graphs; ember_cpu.c's ember_replay
+ * runs them): each takes its arguments as one array, pointers as addresses. */
+#define PTR(i) ((void *)(intptr_t)a[i])
+int ember_quant_linear_x8__packed(const int64_t *a) {
+    return ember_quant_linear_x8((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8), (int)a[9]);
+}
+int ember_quant_linear_f32__packed(const int64_t *a) {
+    return ember_quant_linear_f32((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8), (int)a[9]);
+}
+int ember_quant_linear_x8_bf16__packed(const int64_t *a) {
+    return ember_quant_linear_x8_bf16((int)a[0], PTR(1), a[2], a[3], PTR(4), a[5], PTR(6), PTR(7), (int)a[8]);
+}
+#undef PTR
+
 #else /* EMBER_QUANT_BODY: one instruction set's kernels; SFX, TARGET and DOT32 say which */
 
 TARGET INLINE float SFX(h2f)(const uint8_t *p) { /* F16C: one instruction where f16() takes a dozen */
