@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ember.api.cli_env import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, LOG_LEVELS, PROG, UsageError, apply_defaults,
-    parse_graph_sizes, parse_names, parse_size_option,
+    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, KV_CACHE_DTYPES, LOG_LEVELS, PROG, UsageError,
+    apply_defaults, parse_graph_sizes, parse_names, parse_size_option,
 )
 from ember.api.commands import (
     print_error,
@@ -100,6 +100,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dequantize", action="store_true", default=None,
         help="load quantized weights the backend has no kernel for as float weights instead of refusing them "
         "[EMBER_DEQUANTIZE]",
+    )
+    group.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+        help="the KV cache's dtype; auto (default): the backend's choice (cpu: float16 beside a quantized model's "
+        "float32 compute, else the compute dtype) [EMBER_KV_CACHE_DTYPE]",
     )
     _add_plugin_arguments(group, with_required=True)
 

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ember.config import KV_CACHE_DTYPES
+
 PROG = "ember"
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -139,6 +141,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "grammar_backend": EnvOption("EMBER_GRAMMAR_BACKEND", str),
     "quantize": EnvOption("EMBER_QUANTIZE", str),
     "dequantize": EnvOption("EMBER_DEQUANTIZE", _parse_bool),
+    "kv_cache_dtype": EnvOption("EMBER_KV_CACHE_DTYPE", _choice(KV_CACHE_DTYPES)),
     "grammar_compile_timeout": EnvOption("EMBER_GRAMMAR_COMPILE_TIMEOUT", float),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
@@ -190,6 +193,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "grammar_backend": "outlines",
     "quantize": None,
     "dequantize": False,
+    "kv_cache_dtype": "auto",
     "grammar_compile_timeout": 60.0,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,

@@ -84,6 +84,7 @@ class ServerSettings:
     # quantized weights (docs/quantization.md): --quantize NAME, --dequantize
     quantize: str | None = None
     dequantize: bool = False
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (EngineConfig.kv_cache_dtype)
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
@@ -306,6 +307,8 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["quantize"] = settings.quantize
     if settings.dequantize:
         kwargs["dequantize"] = True
+    if settings.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
     return kwargs
 
 

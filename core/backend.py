@@ -161,6 +161,7 @@ class BaseBackend(ABC):
     default_step_tokens: ClassVar[int] = 2048
     #: The budget of a step in which no request decodes (prompts only; nobody waits
     #: between steps), when the user gave no budget; None: ``default_step_tokens``.
+    #: ``prefill_step_tokens`` may choose it per model.
     default_prefill_step_tokens: ClassVar[int | None] = None
     #: The ``torch.distributed`` backend its ranks communicate over when the model is
     #: split across processes (``ember.parallel``): "gloo" (host memory), "nccl"
@@ -260,9 +261,20 @@ class BaseBackend(ABC):
         costs more than the memory it saves."""
         return dtype
 
-    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype the KV cache is stored in for a model loaded in ``dtype``
-        (default: the same)."""
+    def prefill_step_tokens(self, hf_config, compute_dtype: torch.dtype) -> int | None:
+        """The budget of a prompts-only step for this model (its Hugging Face config)
+        computed in ``compute_dtype``, when the user gave none; the default:
+        ``default_prefill_step_tokens``."""
+        return self.default_prefill_step_tokens
+
+    def kv_cache_dtype(self, dtype: torch.dtype, requested: str = "auto", quantized: bool = False) -> torch.dtype:
+        """The dtype the KV cache is stored in for a model loaded in ``dtype``:
+        ``requested`` (``EngineConfig.kv_cache_dtype``: ``auto`` or a dtype's name) and
+        whether the model's weights are ``quantized`` may inform the choice. The
+        default: ``dtype``, and ValueError naming the request for any other."""
+        if requested not in ("auto", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"kv_cache_dtype {requested!r}: the {self.name} backend stores the KV cache in the "
+                             f"model's dtype ({str(dtype).removeprefix('torch.')}) only")
         return dtype
 
     @abstractmethod

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.kv_cache_dtype
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -121,6 +123,10 @@ class EngineConfig:
     # a format the backend has no kernel for is dequantized at load (else refused)
     quantize: str | None = None
     dequantize: bool = False
+    # The KV cache's dtype (--kv-cache-dtype): "auto" (the backend's choice; the cpu
+    # backend keeps a quantized model's KV in float16 beside float32 compute, else the
+    # compute dtype) or float32, bfloat16, float16 where the backend stores it
+    kv_cache_dtype: str = "auto"
     # Tensor and pipeline parallelism (docs/parallel.md, ember.parallel): the model split
     # over tensor_parallel_size x pipeline_parallel_size ranks, one process each; a
     # collective that waits longer than parallel_timeout_s on a peer is an error
@@ -144,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if self.quantize is not None and (not isinstance(self.quantize, str) or not self.quantize):
             raise ValueError(f"quantize must be a quantizer's name such as 'int8' or 'int4', got {self.quantize!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.dequantize, bool):
             raise ValueError(f"dequantize must be True or False, got {self.dequantize!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -113,13 +113,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
 
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
-        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype)
 
         attention = self.backend.create_attention()
         architectures = self.plugin_manager.registries.model_architectures
         # refused (an unknown name, a format nothing reads) before any weight is read
         quantizer = select_quantizer(self.plugin_manager.registries.quantizers,
                                      getattr(self.hf_config, "quantization_config", None), config.quantize)
+        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype, config.kv_cache_dtype, quantizer is not None)
         block_size = resolve_block_size(config.block_size, attention)
         # An explicit budget sizes the pool before the weights are read, so that one
         # too small is refused in seconds, not after loading.
@@ -151,7 +151,8 @@ class EngineCore:
         elif config.enable_chunked_prefill:
             # at least one decode token for every running request fits a step
             max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
-            prefill_batched = max(max_batched, self.backend.default_prefill_step_tokens or 0)
+            prefill_tokens = self.backend.prefill_step_tokens(self.hf_config, self.backend.compute_dtype(self.dtype))
+            prefill_batched = max(max_batched, prefill_tokens or 0)
         else:
             max_batched = max(8192, max_model_len)
 

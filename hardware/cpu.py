@@ -35,6 +35,7 @@ from ember.plugin import hookimpl
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
 DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20))
 # Products of at most this many rows read plain bf16 weights through the native
@@ -45,6 +46,9 @@ SMALL_BATCH_ROWS = {"fp32": 4, "bf16": 2}
 # decode with draft tokens to verify) attends row by row through the decode kernel:
 # no gather of its context, and each row's numbers as a decode would get them.
 DECODE_ROWS_MAX = 16
+# the largest activation a prompts-only step should make (CPUBackend.prefill_step_tokens):
+# glibc's largest mmap threshold, past which every allocation is paged in anew
+PREFILL_ACTIVATION_BYTES = 32 << 20
 if os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS"):
     SMALL_BATCH_ROWS = dict.fromkeys(SMALL_BATCH_ROWS, int(os.environ["EMBER_CPU_SMALL_BATCH_ROWS"]))
 
@@ -189,13 +193,13 @@ class CPUAttention(BaseAttention):
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         kernels = self.kernels
-        if kernels is not None and k.dtype == kv_cache.dtype and k.stride() == v.stride():
+        if kernels is not None and kernels.kv_write_supports(k.dtype, kv_cache.dtype) and k.stride() == v.stride():
             # in place from the fused qkv's views; padding rows (slot -1) write nothing
             kernels.kv_write(k, v, metadata.slot_mapping, flat_cache[0], flat_cache[1])
         else:
             self._write_cache(flat_cache, k.to(kv_cache.dtype), v.to(kv_cache.dtype), metadata)
-        native_decode = metadata.decode_lens is not None and kernels is not None and kv_cache.dtype == q.dtype \
-            and kernels.attention_supports(q.shape[1], num_kv_heads, head_dim, q.dtype)
+        native_decode = metadata.decode_lens is not None and kernels is not None \
+            and kernels.attention_supports(q.shape[1], num_kv_heads, head_dim, q.dtype, kv_cache.dtype)
         if native_decode and metadata.all_decode:
             return kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], metadata.decode_tables,
                                                   metadata.decode_lens, scale)
@@ -336,7 +340,8 @@ class CPUBackend(BaseBackend):
     default_step_tokens = 512
     # with no stream decoding, a prompt computes in chunks of up to 4096 tokens: on
     # SmolLM2 bf16 (AVX512-BF16 EPYC) 2048-token prompts ran 20% faster than in
-    # 512-token chunks, 4096-token ones 14% (benchmarks/bench_prefill.py)
+    # 512-token chunks, 4096-token ones 14% (benchmarks/bench_prefill.py); fewer
+    # where the widest activation would outgrow PREFILL_ACTIVATION_BYTES (prefill_step_tokens)
     default_prefill_step_tokens = 4096
 
     def __init__(self) -> None:
@@ -345,6 +350,21 @@ class CPUBackend(BaseBackend):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def prefill_step_tokens(self, hf_config, compute_dtype: torch.dtype) -> int:
+        # glibc maps every allocation over 32 MiB (its largest mmap threshold) afresh
+        # and unmaps it when freed, so a step whose activations are that large pays a
+        # page fault per 4 KiB of each, every layer: SmolLM2 in float32 at 4096 tokens
+        # (gate|up: 50 MB) spent 2.5 of 10.2 s of a 7808-token prefill casting into such
+        # buffers. Halve the step (down to 1024 tokens) until the widest activation, the
+        # MLP's gate|up product, fits: SmolLM2 then prefills 4096 tokens a step in
+        # bfloat16, 2048 in float32 (offline, 128 prompts, Q4_1: 548 against 422 tok/s)
+        width = 2 * (getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size)
+        per_token = width * torch.empty((), dtype=compute_dtype).element_size()
+        tokens = self.default_prefill_step_tokens
+        while tokens > 1024 and tokens * per_token > PREFILL_ACTIVATION_BYTES:
+            tokens //= 2
+        return tokens
 
     @property
     def device(self) -> torch.device:
@@ -446,11 +466,28 @@ class CPUBackend(BaseBackend):
         # step. Weights rounded to bf16 are kept in fp32 (twice the memory of bf16).
         return self.compute_dtype(dtype)
 
-    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # K and V are produced in the compute dtype and attention reads them in it:
-        # storing them in bf16 only to convert every cached token back on every
-        # layer of every step cost more than the memory it saved.
-        return self.compute_dtype(dtype)
+    def kv_cache_dtype(self, dtype: torch.dtype, requested: str = "auto", quantized: bool = False) -> torch.dtype:
+        # K and V are produced in the compute dtype. A float32 model may keep them in
+        # 16 bits (bfloat16 or float16): the native kernels widen them in registers, and
+        # a batch's decode attention, which streams every cached token from memory, reads
+        # half the bytes (128 requests x 100 tokens, SmolLM2's heads, AVX-512 EPYC: 1.58
+        # ms a layer over float32, 0.52 over bfloat16). "auto" does so for quantized
+        # weights, in float16 (llama.cpp's default cache type beside float32
+        # activations; 3 more mantissa bits than bfloat16), and keeps a float model's
+        # numbers (the compute dtype) otherwise; the bf16 path stores bfloat16.
+        compute = self.compute_dtype(dtype)
+        if requested == "auto":
+            if quantized and compute == torch.float32 and cpu_kernels.load() is not None:
+                return torch.float16
+            return compute
+        chosen = _KV_DTYPES.get(requested)
+        if chosen is None:
+            raise ValueError(f"kv_cache_dtype {requested!r} is not one of: auto, {', '.join(_KV_DTYPES)}")
+        if chosen != compute and not (compute == torch.float32 and chosen in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"kv_cache_dtype {requested!r}: this model computes in "
+                             f"{str(compute).removeprefix('torch.')} on the cpu backend, whose KV cache is then "
+                             f"{str(compute).removeprefix('torch.')} (a 16-bit cache goes beside float32 compute)")
+        return chosen
 
     def kv_cache_memory_bytes(self, model_bytes: int, activation_bytes: int = 0) -> int:
         # A quarter of the RAM still available (weights are loaded by now) once the

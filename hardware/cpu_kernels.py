@@ -112,7 +112,12 @@ def set_recorder(recorder) -> None:
 SOURCE = "ember_cpu.c"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of attention and the layer ops
 MAX_ATTENTION_WIDTH = 16384  # heads * head_dim the attention kernel's accumulator holds
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# the paged KV cache's element types the kernels read and write (ember_cpu.c's KV_*): the
+# compute dtype's, or a 16-bit cache beside float32 activations (EngineConfig.kv_cache_dtype)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_PAIRS = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+            (torch.float32, torch.float16)}  # (compute dtype, cache dtype)
 
 
 class NativeKernels:
@@ -136,7 +141,9 @@ class NativeKernels:
         self._rope = _typed(lib, "ember_rope",
                             [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         self._silu_mul = _typed(lib, "ember_silu_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
-        self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci], ci)
+        self._attention_kv16 = NativeFunction(lib, "ember_paged_decode_attention_kv16",
+                                              [vp, i64] + [vp] * 5 + [i64] * 7 + [ctypes.c_float, ci, ci], ci)
+        self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci, ci, ci], ci)
         self._embedding = NativeFunction(lib, "ember_embedding", [vp, i64, i64, vp, i64, vp], ci)
         # a CPU graph's replay (ember.hardware.cpu_graphs): records, count, &failed index
         self.replay = NativeFunction(lib, "ember_replay", [vp, i64, vp], ci)
@@ -166,9 +173,12 @@ class NativeKernels:
         return y
 
     @staticmethod
-    def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether ``paged_decode_attention`` runs these heads with queries of ``dtype``
+        over a cache of ``kv_dtype`` (default: the same)."""
         return (
-            dtype in KERNEL_DTYPES and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
+            (dtype, kv_dtype or dtype) in KV_PAIRS and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
             and num_heads * head_dim <= MAX_ATTENTION_WIDTH and num_heads <= 4096
         )
 
@@ -191,11 +201,12 @@ class NativeKernels:
         kernel checks: it reads where the tables point)."""
         B, Hq, D = q.shape
         num_blocks, block_size, Hkv, Dk = k_cache.shape
-        if not self.attention_supports(Hq, Hkv, D, q.dtype) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        if not self.attention_supports(Hq, Hkv, D, q.dtype, k_cache.dtype) or v_cache.dtype != k_cache.dtype:
             raise ValueError(
                 f"paged_decode_attention: unsupported q {q.dtype} {tuple(q.shape)} with cache "
-                f"{k_cache.dtype} {tuple(k_cache.shape)} (float32 or bfloat16, head_dim a multiple of 8, "
-                f"heads a multiple of KV heads, heads * head_dim <= {MAX_ATTENTION_WIDTH})"
+                f"{k_cache.dtype} {tuple(k_cache.shape)} (float32 or bfloat16 q, a cache of q's dtype or a 16-bit "
+                f"one beside float32 q, head_dim a multiple of 8, heads a multiple of KV heads, heads * head_dim "
+                f"<= {MAX_ATTENTION_WIDTH})"
             )
         if Dk != D or v_cache.shape != k_cache.shape:
             raise ValueError(f"paged_decode_attention: cache shapes {tuple(k_cache.shape)}, "
@@ -213,11 +224,13 @@ class NativeKernels:
             q = q.contiguous()
         block_tables = block_tables.contiguous()
         out = torch.empty(B, Hq, D, dtype=q.dtype)
-        rc = self._attention[q.dtype](
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, num_blocks, scale,
-            torch.get_num_threads(),
-        )
+        args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                context_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, num_blocks, scale,
+                torch.get_num_threads())
+        if k_cache.dtype == q.dtype:
+            rc = self._attention[q.dtype](*args)
+        else:
+            rc = self._attention_kv16(*args, KV_TYPES[k_cache.dtype])
         if rc == -1:
             raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_blocks * block_size}]")
         if rc:
@@ -287,25 +300,32 @@ class NativeKernels:
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
+    @staticmethod
+    def kv_write_supports(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether ``kv_write`` takes K/V of ``dtype`` into a cache of ``kv_dtype``."""
+        return (dtype, kv_dtype) in KV_PAIRS
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
         """``k_cache[slots[t]] = k[t]`` and the same for v, for ``k``, ``v`` (T, Hkv, D)
         (heads and dims contiguous, rows any stride apart, the same for both) and caches
-        (num_slots, Hkv, D) of their dtype; a negative slot (padding) writes nothing.
-        ValueError naming a slot past the cache (nothing written then)."""
+        (num_slots, Hkv, D) of their dtype, or 16-bit ones beside float32 K/V (rounded to
+        nearest even); a negative slot (padding) writes nothing. ValueError naming a
+        slot past the cache (nothing written then)."""
         T, heads, D = k.shape
         if v.shape != k.shape or v.stride() != k.stride() or k.stride(2) != 1 or k.stride(1) != D:
             raise ValueError(f"kv_write: k {tuple(k.shape)} {k.stride()} and v {tuple(v.shape)} {v.stride()} "
                              "must have contiguous heads and the same strides")
-        if k_cache.dtype != k.dtype or v.dtype != k.dtype or v_cache.dtype != k.dtype:
-            raise ValueError(f"kv_write: k {k.dtype}, v {v.dtype} and caches {k_cache.dtype} must share a dtype")
+        if v.dtype != k.dtype or v_cache.dtype != k_cache.dtype or not self.kv_write_supports(k.dtype, k_cache.dtype):
+            raise ValueError(f"kv_write: k {k.dtype} and v {v.dtype} into caches {k_cache.dtype} and "
+                             f"{v_cache.dtype}: one dtype, or float32 into a 16-bit cache")
         if k_cache.shape[1:] != (heads, D) or v_cache.shape != k_cache.shape or not k_cache.is_contiguous() \
                 or not v_cache.is_contiguous() or slots.dtype != torch.int64 or slots.shape != (T,):
             raise ValueError(f"kv_write: caches {tuple(k_cache.shape)} and slots {slots.dtype} "
                              f"{tuple(slots.shape)} do not fit k {tuple(k.shape)}")
-        size = k.element_size()
-        rc = self._kv_write(k.data_ptr(), v.data_ptr(), k.stride(0) * size, slots.data_ptr(), T, k_cache.data_ptr(),
-                            v_cache.data_ptr(), k_cache.shape[0], heads * D * size, torch.get_num_threads())
+        rc = self._kv_write(k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), T, k_cache.data_ptr(),
+                            v_cache.data_ptr(), k_cache.shape[0], heads * D, KV_TYPES[k.dtype],
+                            KV_TYPES[k_cache.dtype], torch.get_num_threads())
         if rc:
             raise ValueError(f"kv_write: a slot lies past the cache's {k_cache.shape[0]} slots")
 

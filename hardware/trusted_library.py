@@ -29,7 +29,7 @@ RECORD_SUFFIX = ".sha256"  # beside the library: its sha256 when built
 # every library is built with these (the GGUF kernels add their instruction sets per
 # function, as target attributes); no FMA contraction: explicit intrinsics choose
 # where to fuse, and ember_rope's plain C then rounds as PyTorch does
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 

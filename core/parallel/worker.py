@@ -107,7 +107,7 @@ class RankState:
         self.model_dir = args.model_dir
         self.hf_config = load_hf_config(args.model_dir)
         self.dtype = self.backend.resolve_dtype(config.dtype, model_dtype(self.hf_config))
-        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype)
+        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype, config.kv_cache_dtype)
         self.ctx: ParallelContext | None = None
         self.model = None
         self.attention = self.backend.create_attention()

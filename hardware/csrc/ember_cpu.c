@@ -1,11 +1,12 @@
-/* Ember's native CPU kernels (AVX2 + FMA, OpenMP), built and loaded by
+/* Ember's native CPU kernels (AVX2 + FMA + F16C, OpenMP), built and loaded by
  * ember/hardware/cpu_kernels.py, which checks every argument before calling in.
  *
  *   ember_gemv_bf16               small-batch linear over bfloat16 weights
  *   ember_paged_decode_attention  one query token per request over the paged KV cache
  *   ember_greedy                  argmax and its log-probability, per row of logits
  *   ember_rms_norm, ember_rope, ember_silu_mul   fused layer ops
- *   ember_kv_write, ember_embedding              a step's K/V into the paged cache; token rows
+ *   ember_kv_write, ember_embedding              a step's K/V into the paged cache (float32, bf16
+ *                                 or float16 there); token rows
  *   ember_replay                  runs a CPU graph: recorded calls of these kernels (and of
  *                                 ember_quant.c's), through their X__packed forms
  *
@@ -83,6 +84,13 @@ INLINE void st1(void *p, int64_t i, float v, int bf16) {
 INLINE float rnd(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
 INLINE __m256 ld8(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+/* The paged KV cache's element types: the compute dtype's, or a 16-bit cache beside
+ * float32 queries (EngineConfig.kv_cache_dtype): widening either is exact */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+INLINE __m256 ldkv8(const void *p, int64_t i, int kv) {
+    if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return ld8(p, i, kv == KV_BF16);
 }
 INLINE __m256 rnd8(__m256 v, int bf16) { return bf16 ? round8_bf16(v) : v; }
 INLINE void st8(void *p, int64_t i, __m256 v, int bf16) {
@@ -210,12 +218,12 @@ static inline void prefetch(const void *p, int64_t bytes) {
 
 /* o[0 .. 8n) += sum_j s[j] * V row j (n_t rows of row elements from v), n <= 8 vectors */
 INLINE void weigh_values(float *o, const float *s, const void *v_cache, int64_t v, int64_t row, int64_t n_t, int n,
-                         int bf16) {
+                         int kv) {
     __m256 a[8];
     for (int i = 0; i < n; ++i) a[i] = _mm256_loadu_ps(o + 8 * i);
     for (int64_t j = 0; j < n_t; ++j) {
         const __m256 p = _mm256_set1_ps(s[j]);
-        for (int i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(p, ld8(v_cache, v + j * row + 8 * i, bf16), a[i]);
+        for (int i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(p, ldkv8(v_cache, v + j * row + 8 * i, kv), a[i]);
     }
     for (int i = 0; i < n; ++i) _mm256_storeu_ps(o + 8 * i, a[i]);
 }
@@ -246,7 +254,7 @@ static inline __m256 hsum8(const __m256 a[8]) {
 INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                    const int64_t *block_tables, const int64_t *context_lens, void *out,
                                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                   int64_t max_blocks, float scale, int nthreads, int bf16) {
+                                   int64_t max_blocks, float scale, int nthreads, int bf16, int kv) {
     const int64_t G = Hq / Hkv, row = Hkv * D;
     /* fewer requests than threads: one task per (request, KV head), so one decode's
      * heads share the cores; else one task per request, every head on each block */
@@ -271,7 +279,7 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
                 for (int64_t i = hq0 * D; i < hq1 * D; ++i) st1(out, b * Hq * D + i, NAN, bf16);
                 continue;
             }
-            const int64_t esize = bf16 ? 2 : 4;
+            const int64_t esize = kv == KV_F32 ? 4 : 2;
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
@@ -291,14 +299,14 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
                         for (int64_t d = 0; d < D; d += 8) {
                             const __m256 qv = _mm256_loadu_ps(qh + d);
                             for (int i = 0; i < 8; ++i)
-                                a[i] = _mm256_fmadd_ps(qv, ld8(k_cache, k + (j + i) * row + d, bf16), a[i]);
+                                a[i] = _mm256_fmadd_ps(qv, ldkv8(k_cache, k + (j + i) * row + d, kv), a[i]);
                         }
                         _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
                     }
                     for (; j < n_t; ++j) {
                         __m256 a = _mm256_setzero_ps();
                         for (int64_t d = 0; d < D; d += 8)
-                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), ld8(k_cache, k + j * row + d, bf16), a);
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), ldkv8(k_cache, k + j * row + d, kv), a);
                         s[j] = hsum(a) * scale;
                     }
                 }
@@ -322,8 +330,8 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
                     const int64_t v = block + (hq / G) * D;
                     int64_t d0 = 0;
                     for (; d0 + 64 <= D; d0 += 64)  /* a constant 8 accumulators: kept in registers */
-                        weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, 8, bf16);
-                    if (d0 < D) weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, (D - d0) / 8, bf16);
+                        weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, 8, kv);
+                    if (d0 < D) weigh_values(acc + hq * D + d0, s, v_cache, v + d0, row, n_t, (D - d0) / 8, kv);
                 }
             }
             for (int64_t hq = hq0; hq < hq1; ++hq) {
@@ -356,7 +364,7 @@ int ember_paged_decode_attention(const float *q, int64_t q_stride, const float *
     const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
     if (rc) return rc;
     paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
-                           max_blocks, scale, nthreads, 0);
+                           max_blocks, scale, nthreads, 0, KV_F32);
     return 0;
 }
 
@@ -368,7 +376,25 @@ int ember_paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const
     const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
     if (rc) return rc;
     paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
-                           max_blocks, scale, nthreads, 1);
+                           max_blocks, scale, nthreads, 1, KV_BF16);
+    return 0;
+}
+
+/* float32 q and out over a 16-bit cache: kv 1 (bfloat16) or 2 (float16) */
+int ember_paged_decode_attention_kv16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                                      const uint16_t *v_cache, const int64_t *block_tables,
+                                      const int64_t *context_lens, float *out, int64_t B, int64_t Hq, int64_t Hkv,
+                                      int64_t D, int64_t block_size, int64_t max_blocks, int64_t num_blocks,
+                                      float scale, int nthreads, int kv) {
+    if (kv != KV_BF16 && kv != KV_F16) return -3;
+    const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
+    if (rc) return rc;
+    if (kv == KV_BF16)
+        paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D,
+                               block_size, max_blocks, scale, nthreads, 0, KV_BF16);
+    else
+        paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D,
+                               block_size, max_blocks, scale, nthreads, 0, KV_F16);
     return 0;
 }
 
@@ -510,20 +536,39 @@ void ember_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_
     silu_mul(gu, out, rows, I, nthreads, 1);
 }
 
-/* ember_kv_write: this step's K and V rows into the paged cache. Token t (rows of
- * row_bytes, src_stride bytes apart in k and v: views of a fused qkv) goes to cache
- * slot slots[t] of k_cache / v_cache (num_slots rows of row_bytes); a negative slot
- * (a padding row of a CPU graph) writes nothing. -1, and nothing written, if a slot is
- * num_slots or more. */
-int ember_kv_write(const char *k, const char *v, int64_t src_stride, const int64_t *slots, int64_t T,
-                   char *k_cache, char *v_cache, int64_t num_slots, int64_t row_bytes, int nthreads) {
+/* ember_kv_write: this step's K and V rows into the paged cache. Token t (row_elems
+ * values, src_stride elements apart in k and v: views of a fused qkv) goes to cache slot
+ * slots[t] of k_cache / v_cache (num_slots rows); a negative slot (a padding row of a
+ * CPU graph) writes nothing. src and dst are KV_* types: the same (copied), or float32
+ * rows into a bfloat16 or float16 cache (rounded to nearest even). -1, and nothing
+ * written, if a slot is num_slots or more; -2 for another pair of types. */
+static inline void kv_row(const void *src, int64_t i, void *dst, int64_t j, int64_t n, int src_type, int dst_type) {
+    const int64_t size = dst_type == KV_F32 ? 4 : 2;
+    if (src_type == dst_type) {
+        memcpy((char *)dst + j * size, (const char *)src + i * (src_type == KV_F32 ? 4 : 2), n * size);
+        return;
+    }
+    const float *x = (const float *)src + i;
+    uint16_t *y = (uint16_t *)dst + j;
+    int64_t e = 0;
+    for (; dst_type == KV_F16 && e + 8 <= n; e += 8)
+        _mm_storeu_si128((__m128i *)(y + e), _mm256_cvtps_ph(_mm256_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT));
+    for (; e < n; ++e)
+        y[e] = dst_type == KV_BF16 ? float_to_bf16(x[e])
+                                   : (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[e]), _MM_FROUND_TO_NEAREST_INT), 0);
+}
+
+int ember_kv_write(const void *k, const void *v, int64_t src_stride, const int64_t *slots, int64_t T,
+                   void *k_cache, void *v_cache, int64_t num_slots, int64_t row_elems, int src_type, int dst_type,
+                   int nthreads) {
+    if (src_type != dst_type && !(src_type == KV_F32 && (dst_type == KV_BF16 || dst_type == KV_F16))) return -2;
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] >= num_slots) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 256)
     for (int64_t t = 0; t < T; ++t) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row_bytes, k + t * src_stride, row_bytes);
-        memcpy(v_cache + slots[t] * row_bytes, v + t * src_stride, row_bytes);
+        kv_row(k, t * src_stride, k_cache, slots[t] * row_elems, row_elems, src_type, dst_type);
+        kv_row(v, t * src_stride, v_cache, slots[t] * row_elems, row_elems, src_type, dst_type);
     }
     return 0;
 }
@@ -592,7 +637,13 @@ int ember_silu_mul_bf16__packed(const int64_t *a) {
     return 0;
 }
 int ember_kv_write__packed(const int64_t *a) {
-    return ember_kv_write(PTR(0), PTR(1), a[2], PTR(3), a[4], PTR(5), PTR(6), a[7], a[8], (int)a[9]);
+    return ember_kv_write(PTR(0), PTR(1), a[2], PTR(3), a[4], PTR(5), PTR(6), a[7], a[8], (int)a[9], (int)a[10],
+                          (int)a[11]);
+}
+int ember_paged_decode_attention_kv16__packed(const int64_t *a) {
+    return ember_paged_decode_attention_kv16(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8], a[9],
+                                             a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15],
+                                             (int)a[16]);
 }
 int ember_embedding__packed(const int64_t *a) {
     return ember_embedding(PTR(0), a[1], a[2], PTR(3), a[4], PTR(5));
