@@ -135,6 +135,10 @@ def _ember_arm(spec: dict) -> dict:
 
     total, packed, formats = model_weight_bytes(llm.engine.model)
     out["weights_mib"] = {"total": total / 2**20, "packed": packed / 2**20, "formats": formats}
+    core = llm.engine.core
+    graphs = core.runner.graphs
+    out["kv_cache_dtype"] = str(core.kv_dtype).removeprefix("torch.")
+    out["cpu_graph_sizes"] = list(graphs.sizes) if graphs is not None else []
     return out
 
 
