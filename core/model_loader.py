@@ -106,6 +106,15 @@ def load_model(
         except NotImplementedError as exc:
             raise ValueError(f"{exc}: cannot load it with quantizer {quantizer.name!r}") from None
         weights = _route_quantized(weights, quantizer, parts, dtype)
+        source = quantizer.embedding_source()
+        if source is not None:  # a tied LM head kept quantized: the embedding reads its rows
+            if source not in parts:
+                raise ValueError(f"quantizer {quantizer.name!r}: the embedding's source {source!r} is not a linear "
+                                 "of this model")
+            try:
+                model.embed_from(parts[source][0])
+            except NotImplementedError as exc:
+                raise ValueError(f"{exc}: cannot load it with quantizer {quantizer.name!r}") from None
     # rounded to the model's dtype first: a bf16 model computes with bf16 numbers
     # whatever dtype the backend keeps them in
     model.load_weights((name, tensor.to(dtype).to(weight_dtype)) for name, tensor in weights)

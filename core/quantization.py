@@ -118,6 +118,16 @@ class QuantizedLinearOp(ABC):
         out_features)`` in the same dtype, equal to ``F.linear(x, weight.dequantize(x.dtype),
         bias)`` within the format's stated tolerance (docs/quantization.md)."""
 
+    def embedding(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``(num_tokens,)``) of ``weight.dequantize(torch.float32)``,
+        exactly: ``(num_tokens, in_features)`` float32. A token embedding that shares a
+        tied LM head's quantized weight reads its rows here (``BaseQuantizer.
+        embedding_source``). IndexError for an id outside ``[0, out_features)``.
+        Default: the whole weight dequantized, then indexed."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+            raise IndexError(f"token ids must lie in [0, {weight.shape[0]})")
+        return weight.dequantize(torch.float32)[ids]
+
 
 class BaseQuantizer(ABC):
     """Turns a linear's checkpoint tensors into a :class:`QuantizedWeight`.
@@ -154,6 +164,12 @@ class BaseQuantizer(ABC):
         """Whether this quantizer reads a checkpoint with this config (several may share
         a ``quant_method``, as bitsandbytes int8 and NF4 do). Default: by ``quant_method``."""
         return quantization_config.get("quant_method") in cls.quant_methods
+
+    def embedding_source(self) -> str | None:
+        """The checkpoint prefix of a quantized linear whose weight's rows are the
+        model's token embedding (a tied LM head kept quantized: the checkpoint stores no
+        float table), or None (the default: the embedding is a float tensor)."""
+        return None
 
     @abstractmethod
     def weight_formats(self) -> tuple[str, ...]:

@@ -155,6 +155,7 @@ class QuantKernels:
         self._linear_x8 = native(lib, "ember_quant_linear_x8", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
         self._amx_init = _fn(lib, "ember_quant_amx_init", [], ci)
         self._linear_x8_bf16 = native(lib, "ember_quant_linear_x8_bf16", [ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        self._rows = native(lib, "ember_quant_rows", [ci, vp, i64, i64, ci, vp, i64, vp, ci], ci)
         self._amx: bool | None = None
 
     def amx_granted(self) -> bool:
@@ -236,6 +237,25 @@ class QuantKernels:
         rc = self._dequant(qtype.type_id, data.data_ptr(), N, in_features, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"ember_quant_dequant failed ({rc}) for {type_name} ({N}, {in_features})")
+        return out
+
+    def rows(self, data: torch.Tensor, type_name: str, in_features: int, ids: torch.Tensor, x8: bool = False
+             ) -> torch.Tensor:
+        """Rows ``ids`` (int64 (T,)) of the GGUF weight ``data`` (N, row bytes; in the x8
+        layout with ``x8``), dequantized: float32 (T, ``in_features``), ``dequantize``'s
+        numbers bit for bit. IndexError for an id outside [0, N)."""
+        N = _check_weight(data, type_name, in_features)
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"rows takes int64 ids (T,), got {ids.dtype} {tuple(ids.shape)}")
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+        rc = self._rows(quant_type(type_name).type_id, data.data_ptr(), N, in_features, int(x8), ids.data_ptr(),
+                        ids.shape[0], out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"rows of {type_name} ({N}, {in_features}): out of memory")
+        if rc:
+            raise IndexError(f"token ids must lie in [0, {N}) (rows of {type_name} ({N}, {in_features})"
+                             f"{', x8 layout' if x8 else ''})")
         return out
 
     def x8_layout(self, type_name: str, rows: int, isa: str | None = None) -> bool:
@@ -408,6 +428,15 @@ class GGUFLinearOp(QuantizedLinearOp):
         if dtype != torch.float32:
             y = y.to(dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
+
+    def embedding(self, ids, weight):
+        """Rows ``ids`` of the weight, dequantized (a tied LM head's rows as the token
+        embedding), through the native row lookup; without the library, in PyTorch."""
+        plan = weight.kernel_plan
+        if self.kernels is None or len(plan) != 1 or not plan[0][3]:
+            return super().embedding(ids, weight)
+        type_id, data, _, _, _, x8 = plan[0]
+        return self.kernels.rows(data, _TYPE_NAMES[type_id], weight.shape[1], ids, x8)
 
     def _segment(self, x, plan, K, bias):
         type_id, data, N, has_kernel, data_ptr, x8 = plan

@@ -28,7 +28,8 @@ import torch
 from ember.hardware import cpu_quant
 from ember.hardware.cpu_paths import cpu_flags
 from ember.weights import gguf_quants
-from ember.weights.gguf_quants import QUANT_TYPES
+from ember.model_loader import model_weight_bytes
+from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 # byte offsets of each type's float16 scale fields inside a block
 F16_FIELDS = {
@@ -473,14 +474,24 @@ def test_quantized_conversion_runs_like_the_float_one(tmp_path, qtype_name, arch
     native = convert_gguf_to_hf(src, tmp_path / "native", keep_quantized=True, progress=False)
     floats = convert_gguf_to_hf(src, tmp_path / "float", progress=False)
     config = json.loads((native / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "gguf", "types": [qtype_name]}
-    assert config["tie_word_embeddings"] is False  # a quantized token_embd is the LM head's own weight
+    # a tied token_embd is kept once, quantized, as the LM head's weight, whose rows the embedding reads
+    assert config["quantization_config"] == {"quant_method": "gguf", "types": [qtype_name],
+                                             **({"embedding": "lm_head"} if tie else {})}
+    assert config["tie_word_embeddings"] is False
     stored = dict(iter_safetensors(native))
     assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
     assert stored["model.layers.0.self_attn.q_proj.gguf_type"].tolist() == [QUANT_TYPES[qtype_name].type_id]
-    assert stored["model.embed_tokens.weight"].dtype == torch.float32
+    assert "model.embed_tokens.weight" not in stored if tie else stored["model.embed_tokens.weight"].dtype == torch.float32
     assert stored["lm_head.gguf_type"].tolist() == [QUANT_TYPES[qtype_name].type_id]  # output or token_embd
     reference = dict(iter_safetensors(floats))
+    if tie:  # the embedding reads the quantized LM head's rows: the float table's numbers, bit for bit
+        from ember import LLM
+
+        model = LLM(str(native), num_kv_tokens=256, enforce_eager=True).engine.core.runner.model
+        assert model.embed_tokens.weight is None and model.embed_tokens.source is model.lm_head
+        table = reference["model.embed_tokens.weight"]
+        with torch.inference_mode():
+            assert torch.equal(model.embed_tokens.forward(torch.arange(table.shape[0])), table)
     q = QUANT_TYPES[qtype_name].dequantize(stored["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(q, reference["model.layers.1.mlp.down_proj.weight"])
 
@@ -493,6 +504,18 @@ def test_quantized_conversion_runs_like_the_float_one(tmp_path, qtype_name, arch
     for a, b in zip(native_lp, float_lp):
         assert np.allclose(a, b, atol=0.05), np.abs(np.subtract(a, b)).max()
     assert assert_same_greedy_tokens(native_tokens, float_tokens, near_tie=0.05) <= 1
+
+
+@pytest.mark.parametrize("name", cpu_quant.KERNEL_TYPES)
+def test_row_lookups_dequantize_the_rows_bit_for_bit(kernels, name):
+    data = torch.from_numpy(random_blocks(name, 16, 512, seed=3))
+    ids = torch.tensor([15, 0, 7, 8, 8, 3])
+    want = quant_type(name).dequantize(data)[ids]
+    assert torch.equal(kernels.rows(data, name, 512, ids), want)
+    if kernels.x8_layout(name, 16):
+        assert torch.equal(kernels.rows(kernels.repack_x8(data, name, 512), name, 512, ids, x8=True), want)
+    with pytest.raises(IndexError, match=r"token ids must lie in \[0, 16\)"):
+        kernels.rows(data, name, 512, torch.tensor([3, 16]))
 
 
 def test_unsupported_gguf_type_is_named(tmp_path):
@@ -653,6 +676,10 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     linear = llm.engine.model.layers[0].mlp.down_proj
     assert linear.weight is None and linear.qweights[0].types == ("Q4_1",)
     assert llm.engine.model.lm_head.qweights[0].types == ("Q8_0",)
+    # the embedding reads the Q8_0 head's rows: no float copy beside the packed weights
+    assert llm.engine.model.embed_tokens.weight is None
+    total, packed, _ = model_weight_bytes(llm.engine.model)
+    assert packed > 90 << 20 and total - packed < 8 << 20, (total, packed)  # norms and rope tables
     native = llm.chat(SMOLLM2_CONVERSATIONS, greedy_params)
     teacher_ids = llm.get_tokenizer().encode(TEACHER_TEXT)
     native_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]

@@ -54,6 +54,13 @@ class BaseCausalLM(nn.Module, ABC):
         implements it; the default refuses them."""
         raise NotImplementedError(f"{type(self).__name__} does not support quantized weights")
 
+    def embed_from(self, linear: Linear) -> None:
+        """Make the token embedding read the rows of ``linear``'s weight (a tied LM head
+        kept quantized, ``BaseQuantizer.embedding_source``) instead of a table of its
+        own, which is then neither kept nor expected from the checkpoint. An
+        architecture that supports it implements it; the default refuses."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read its embedding from a linear's weight")
+
     def set_linear_op(self, op) -> None:
         """Install ``op`` as the matrix product of the model and of every ``Linear``."""
         self.linear_op = op

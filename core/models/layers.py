@@ -148,15 +148,34 @@ class FusableOp(nn.Module):
 class Embedding(nn.Embedding, FusableOp):
     """Token embeddings (an ``nn.Embedding`` whose weight is loaded, not trained): rows
     of ``weight`` (vocab, hidden) by id, in the weight's dtype. Fused op
-    ``embedding(ids, weight)``."""
+    ``embedding(ids, weight)``.
+
+    ``read_from(linear)`` makes it a view of a quantized linear's weight (a tied LM
+    head kept quantized): its own table is freed, and rows come from the linear's op
+    (``QuantizedLinearOp.embedding``, float32), or from the linear's float weight where
+    it was dequantized at load."""
 
     op_name = "embedding"
+    source: Linear | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
         self.weight.requires_grad_(False)
 
+    def read_from(self, linear: Linear) -> None:
+        if linear.output_sizes != [self.num_embeddings] or linear.in_features != self.embedding_dim:
+            raise ValueError(f"an embedding of {self.num_embeddings} x {self.embedding_dim} cannot read the rows "
+                             f"of a linear of {sum(linear.output_sizes)} x {linear.in_features}")
+        del self.weight
+        self.weight = None
+        self.__dict__["source"] = linear  # a reference, not a submodule: the linear is the model's already
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        source = self.source
+        if source is not None:
+            if source.qweights is not None:
+                return source.qop.embedding(ids, source.qweights[0])
+            return F.embedding(ids, source.weight)
         if self.fused is not None:
             return self.fused(ids, self.weight)
         return super().forward(ids)

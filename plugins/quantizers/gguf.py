@@ -6,7 +6,8 @@ A GGUF file is converted into a directory whose linear weights keep their GGUF b
 ``quantization_config = {"quant_method": "gguf", "types": [...]}`` in config.json.
 This quantizer reads that directory: each such linear becomes a :class:`GGUFWeight`
 (format ``"gguf"``), which the CPU backend multiplies natively
-(``ember.hardware.cpu_quant``). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+(``ember.hardware.cpu_quant``). With ``"embedding": "lm_head"`` (a tied LM head kept
+quantized) the token embedding reads its rows from the LM head's weight. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K with integer kernels; Q2_K and Q3_K dequantized per product.
 
 One format for every type: the parts of a fused linear may differ in type (llama.cpp's
@@ -21,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from ember.plugin import hookimpl
 from ember.quantization import BaseQuantizer, QuantizedWeight, check_parts
-from ember.weights.gguf_loader import QUANT_METHOD, TYPE_SUFFIX
+from ember.weights.gguf_loader import EMBEDDING_SOURCE, QUANT_METHOD, TYPE_SUFFIX
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 FORMAT = "gguf"
@@ -99,6 +100,14 @@ class GGUFQuantizer(BaseQuantizer):
         for type_name in types:
             quant_type(type_name)  # an unsupported one is named
         self.types = tuple(types)
+        embedding = self.quantization_config.get("embedding")
+        if embedding not in (None, EMBEDDING_SOURCE):
+            raise ValueError(f"quantization_config 'embedding' must be {EMBEDDING_SOURCE!r} (a tied LM head's rows) "
+                             f"or absent, got {embedding!r}")
+        self.embedding = embedding
+
+    def embedding_source(self) -> str | None:
+        return self.embedding
 
     def weight_formats(self) -> tuple[str, ...]:
         return (FORMAT,)
