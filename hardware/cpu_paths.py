@@ -4,14 +4,14 @@ Two paths, chosen once at startup from the CPU's flags (``select_path``, logged)
 
 - ``bf16``: CPUs with AMX or AVX512-BF16 compute a bf16 model in bf16, with a bf16
   KV cache. Each matmul weight is reordered once, at load, into oneDNN's blocked
-  layout and multiplied by oneDNN's bf16 inner product (``cpu_kernels.PackedLinear``).
+  layout and multiplied by oneDNN's bf16 inner product (``cpu_linear.PackedLinear``).
   With the weight in plain layout, oneDNN re-lays it out on every call: a 576x1536
   product of one row took 58 us plain and 33 us packed on a 2-core AVX512-BF16 EPYC
   (77 / 33 on a Sapphire Rapids). Attention and the fused layer ops run the native
   kernels' bf16 instantiations.
 - ``fp32``: elsewhere (AVX2), bf16 is a storage dtype and products run in float32
   through oneDNN (``cpu_kernels.onednn_linear``), small batches reading bf16 weight
-  copies through the native kernel (``cpu_kernels.SmallBatchLinear``).
+  copies through the native kernel (``cpu_linear.SmallBatchLinear``).
 
 ``EMBER_CPU_PATH=bf16|fp32`` forces a path (``auto``, the default, reads the flags);
 ``EMBER_CPU_BF16_COMPUTE=1`` is the older spelling of ``bf16``.

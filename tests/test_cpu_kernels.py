@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ember.hardware import cpu_kernels, trusted_library
 from ember.hardware.cpu import CPUBackend
-from ember.hardware.cpu_kernels import SmallBatchLinear
+from ember.hardware.cpu_linear import SmallBatchLinear
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.hardware import cpu_kernels
-from ember.hardware.cpu_kernels import PackedLinear, pack_bf16, packing_works
+from ember.hardware.cpu_linear import PackedLinear, pack_bf16, packing_works
 from ember.hardware.cpu_paths import select_path
 from tiny_models import make_tiny_model
 
