@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -45,9 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ember.graphs import GraphCaptureRefused
+from ember.hardware import cpu_kernels
 from ember.hardware.cpu_kernels import POINTER, NativeFunction, set_recorder
 
-logger = logging.getLogger(__name__)
 
 ALIGNMENT = 64  # bytes: each buffer's place in the arena (PyTorch's CPU allocations are 64-aligned too)
 # the PyTorch ops that only allocate (their tensors' contents are what the kernels write)
@@ -154,8 +153,6 @@ def capture(fn) -> CPUGraph:
     """Run ``fn`` (a forward over static tensors) once while recording it; its
     :class:`CPUGraph`. ``GraphCaptureRefused`` when the forward does work outside the
     recordable native kernels, or they are off."""
-    from ember.hardware import cpu_kernels
-
     kernels = cpu_kernels.load()
     if kernels is None:
         raise GraphCaptureRefused("the native CPU kernels are off")
