@@ -12,15 +12,16 @@ import sys
 
 from ember.api.cli_env import PROG
 
+
 def run_generate(args: argparse.Namespace) -> int:
     import ember
-    from ember.kv_sizing import resolve_max_model_len
-    from ember.llm import encode_chat
-    from ember.model_loader import load_hf_config
+    from ember.engine.llm import encode_chat
+    from ember.models.loader import load_hf_config
+    from ember.models.tokenizer import load_tokenizer
     from ember.plugin import create_plugin_manager
     from ember.sampling_params import SamplingParams
-    from ember.tokenizer import load_tokenizer
     from ember.weights import resolve_model
+    from ember.worker.kv_sizing import resolve_max_model_len
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -64,7 +65,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from ember.api.server import serve
     from ember.api.settings import ServerSettings, kv_shortfall_message
-    from ember.kv_sizing import KVCacheTooSmallError
+    from ember.worker.kv_sizing import KVCacheTooSmallError
 
     # Contradictory limits are refused here, before a model is loaded.
     settings = ServerSettings(
@@ -126,10 +127,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_watermark_detect(args: argparse.Namespace) -> int:
-    from ember.logits_processor import LogitsProcessorContext
-    from ember.model_loader import load_hf_config
+    from ember.models.loader import load_hf_config
+    from ember.models.tokenizer import load_tokenizer
     from ember.plugin import create_plugin_manager
-    from ember.tokenizer import load_tokenizer
+    from ember.plugin.logits_processor import LogitsProcessorContext
     from ember.weights import resolve_model
 
     pm = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
@@ -271,7 +272,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _speculative_config(args: argparse.Namespace):
     """--speculate N (TGI: n-gram drafts) or --speculative-config JSON (vLLM), checked
     here so that a bad value fails before the model loads."""
-    from ember.speculative import SpeculativeConfig
+    from ember.config import SpeculativeConfig
 
     if args.speculate is not None and args.speculative_config is not None:
         raise ValueError("give --speculate or --speculative-config, not both")

@@ -55,9 +55,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ember.api.openapi import documented
-from ember.engine_client import EngineClient
+from ember.engine.client import EngineClient
 from ember.outputs import RequestOutput
-from ember.step import StepStats
+from ember.sched.step import StepStats
 
 logger = logging.getLogger("ember.api.tracing")  # the name tracing has always logged under
 

@@ -16,7 +16,7 @@ from ember.api.errors import APIError, Flavor, error_response, validation_error
 from ember.api.http import read_model
 from ember.api.openapi import documented
 from ember.api.service import GenerationService
-from ember.engine_client import EngineClient
+from ember.engine.client import EngineClient
 from ember.plugin.hookspecs import RouteContext
 
 T = TypeVar("T")

@@ -26,13 +26,13 @@ from starlette.responses import JSONResponse
 from ember.api.errors import APIError, Flavor, error_response
 from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
+from ember.api.plugin_context import plugin_routes
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.tgi import TGIRoutes
-from ember.api.plugin_context import plugin_routes
 from ember.api.service import GenerationService, Lifecycle, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
-from ember.async_engine import AsyncLLMEngine
-from ember.engine_client import EngineClient
+from ember.engine.async_engine import AsyncLLMEngine
+from ember.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
 
 def build_engine(settings: ServerSettings) -> AsyncLLMEngine:
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
     from ember.plugin import create_plugin_manager
 
     config = EngineConfig(**engine_config_kwargs(settings))

@@ -34,7 +34,7 @@ from typing import TypeVar
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.observability import GenerationRecord, current
 from ember.api.settings import ResolvedLimits
-from ember.engine_client import EngineClient, EngineDeadError, RequestAbortedError
+from ember.engine.client import EngineClient, EngineDeadError, RequestAbortedError
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ class GenerationService:
 
     def check_chars(self, text: str, input_name: str, max_tokens: int | None = None) -> None:
         """422 for a text too long to fit ``max_tokens`` (default --max-input-tokens)
-        whatever its tokens (see `ember.tokenizer.max_chars_per_token`), without
+        whatever its tokens (see `ember.models.tokenizer.max_chars_per_token`), without
         tokenizing it."""
         max_tokens = self.limits.max_input_tokens if max_tokens is None else max_tokens
         if self.chars_per_token is not None and len(text) > self.chars_per_token * max_tokens:

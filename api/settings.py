@@ -6,7 +6,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
 SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -99,7 +98,7 @@ class ServerSettings:
     # Seconds a client gets to send a request's whole body once its headers arrived
     # (slow or stalled uploads are answered 408 and do not count as in flight).
     request_body_timeout: float = 30.0
-    # speculative decoding (docs/speculative.md): an ember.speculative.SpeculativeConfig or None
+    # speculative decoding (docs/speculative.md): an ember.plugin.speculator.SpeculativeConfig or None
     speculative_config: Any = None
     # tensor and pipeline parallelism (docs/parallel.md): worker processes per stage, stages
     tensor_parallel_size: int = 1

@@ -134,8 +134,8 @@ def main() -> int:
 
     from ember import LLM, SamplingParams
     from ember.api.bench.core_step import machine_info
-    from ember.grammar import Constraint, UnsupportedFeatureError
-    from ember.llm import encode_chat
+    from ember.engine.llm import encode_chat
+    from ember.plugin.grammar import Constraint, UnsupportedFeatureError
     from ember.weights import resolve_model
 
     run_started = time.perf_counter()

@@ -131,7 +131,7 @@ def _ember_arm(spec: dict) -> dict:
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in res)
         out["offline"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-    from ember.model_loader import model_weight_bytes
+    from ember.models.loader import model_weight_bytes
 
     total, packed, formats = model_weight_bytes(llm.engine.model)
     out["weights_mib"] = {"total": total / 2**20, "packed": packed / 2**20, "formats": formats}
@@ -144,8 +144,9 @@ def _ember_arm(spec: dict) -> dict:
 
 def _profile_decode(llm, prompt) -> dict:
     """A torch profiler table of 64 decode steps of one request: self CPU time by op."""
-    from ember import SamplingParams
     from torch.profiler import ProfilerActivity, profile
+
+    from ember import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -195,7 +196,8 @@ def _quality_arm(spec: dict) -> dict:
     import math
 
     import bench_quant_quality as quality
-    from ember.tokenizer import load_tokenizer
+
+    from ember.models.tokenizer import load_tokenizer
 
     model_dir = Path(spec["model"])
     ids = load_tokenizer(model_dir).encode(quality.TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
@@ -206,7 +208,7 @@ def _quality_arm(spec: dict) -> dict:
     for window in windows:
         n, c = quality.window_nll(model, attention, backend, window)
         nll, count = nll + n, count + c
-    from ember.model_loader import model_weight_bytes
+    from ember.models.loader import model_weight_bytes
 
     total, packed, formats = model_weight_bytes(model)
     return {"quantize": "gguf (Q4_1 layers, Q8_0 LM head), native kernels", "perplexity": math.exp(nll / count),
@@ -269,11 +271,12 @@ def main() -> None:
     import tempfile
 
     from bench_offline import make_conversations
+    from transformers import AutoTokenizer
+
     from ember.api.bench.core_step import machine_info
     from ember.hardware.cpu import cpu_thread_count
     from ember.weights import resolve_model
     from ember.weights.default_model import fetch_default_gguf
-    from transformers import AutoTokenizer
 
     float_dir = str(resolve_model(None, gguf_native=False))
     native_dir = str(resolve_model(None, gguf_native=True))

@@ -31,10 +31,10 @@ QUANTIZE = {"float32": None, "int8": "int8", "int4": "int4", "int4-g32": "int4-g
 
 
 def load(model_dir: Path, quantize: str | None):
-    from ember.backend import select_backend
-    from ember.model_loader import load_hf_config, load_model
+    from ember.models.loader import load_hf_config, load_model
     from ember.plugin import create_plugin_manager
-    from ember.quantization import select_quantizer
+    from ember.plugin.backend import select_backend
+    from ember.plugin.quantizer import select_quantizer
 
     registries = create_plugin_manager().registries
     backend = select_backend(registries.backends, "cpu")
@@ -49,7 +49,7 @@ def load(model_dir: Path, quantize: str | None):
 
 def window_nll(model, attention, backend, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of ``ids[1:]`` given the tokens before each."""
-    from ember.backend import AttentionBatch, SequenceSlice
+    from ember.plugin.backend import AttentionBatch, SequenceSlice
 
     spec, block = model.kv_cache_spec, 16
     blocks = -(-len(ids) // block)
@@ -81,8 +81,8 @@ def main() -> int:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(QUANTIZE)}")
 
     from ember.api.bench.core_step import machine_info
-    from ember.model_loader import model_weight_bytes
-    from ember.tokenizer import load_tokenizer
+    from ember.models.loader import model_weight_bytes
+    from ember.models.tokenizer import load_tokenizer
     from ember.weights import DEFAULT_MODEL_ID, resolve_model
 
     model_dir = resolve_model(None, gguf_native=False)  # the float32 conversion of the default GGUF

@@ -90,7 +90,7 @@ def main() -> int:
 
     from ember import LLM, SamplingParams
     from ember.api.bench.core_step import machine_info
-    from ember.llm import encode_chat
+    from ember.engine.llm import encode_chat
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
             "draft_length_schedule": args.schedule, "max_speculative_tokens": args.max_speculative_tokens}

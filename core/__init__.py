@@ -10,16 +10,19 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from ember import _moved
+
 __version__ = "0.1.0"
+_moved.install()  # the flat core's module names (ember.scheduler, ember.backend, ...) as aliases
 
 # name -> the module that defines it. Imported on first use (PEP 562): most of them pull
 # in torch, and `import ember.api.cli` (to print `ember --help`) must not.
 _EXPORTS = {
-    "LLM": "ember.llm",
-    "LLMEngine": "ember.engine",
+    "LLM": "ember.engine.llm",
+    "LLMEngine": "ember.engine.llm_engine",
     "EngineConfig": "ember.config",
     "SamplingParams": "ember.sampling_params",
-    "BeamSearchParams": "ember.beam_search",
+    "BeamSearchParams": "ember.engine.beam_search",
     "RequestOutput": "ember.outputs",
     "CompletionOutput": "ember.outputs",
 }
@@ -27,10 +30,10 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from ember.beam_search import BeamSearchParams
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
-    from ember.llm import LLM
+    from ember.engine.beam_search import BeamSearchParams
+    from ember.engine.llm import LLM
+    from ember.engine.llm_engine import LLMEngine
     from ember.outputs import CompletionOutput, RequestOutput
     from ember.sampling_params import SamplingParams
 

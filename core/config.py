@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.kv_cache_dtype
 
@@ -102,12 +103,12 @@ class EngineConfig:
     # Server-side settings of logits processors by name, e.g. {"watermark": {"key": "..."}}:
     # each processor gets its own as `LogitsProcessorContext.options`.
     processor_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Decode batch sizes captured in device graphs (CUDA/HPU graphs, ember.graphs) where
-    # the backend and its attention have them; None: ember.graphs.default_graph_sizes;
+    # Decode batch sizes captured in device graphs (CUDA/HPU graphs, ember.worker.graphs) where
+    # the backend and its attention have them; None: ember.worker.graphs.default_graph_sizes;
     # () or enforce_eager: none (every step eager, as vLLM's --enforce-eager)
     graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
-    # Speculative decoding (docs/speculative.md): an ember.speculative.SpeculativeConfig,
+    # Speculative decoding (docs/speculative.md): an ember.plugin.speculator.SpeculativeConfig,
     # a mapping of its fields or their JSON (vLLM's --speculative-config); None: off
     speculative_config: Any = None
     # Refuse a KV cache that cannot hold one request of max_model_len tokens
@@ -160,8 +161,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         CacheConfig(16 if self.block_size is None else self.block_size, self.kv_cache_memory_bytes, self.num_kv_blocks)
         if self.speculative_config is not None:
-            from ember.speculative import SpeculativeConfig
-
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.graph_sizes is not None:
             sizes = tuple(self.graph_sizes)
@@ -180,3 +179,101 @@ class EngineConfig:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")
             if self.num_kv_tokens < 1:
                 raise ValueError(f"num_kv_tokens must be >= 1, got {self.num_kv_tokens}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates, in vLLM's terms (``--speculative-config`` takes
+    these keys as JSON; TGI's ``--speculate N`` is ``{"method": "ngram",
+    "num_speculative_tokens": N}``).
+
+    ``disable_by_batch_size``: no speculation in a step where at least this many
+    requests run (verifying drafts costs compute a large batch no longer has to
+    spare); None never steps aside. ``min_acceptance_rate``: a request whose recent
+    drafts were accepted less often than this (an exponential average over
+    ``acceptance_window`` proposals) stops being offered drafts for
+    ``backoff_steps`` steps, then tries again; 0 keeps offering.
+
+    ``draft_length_schedule``: ``constant`` offers every request
+    ``num_speculative_tokens`` drafts a step (vLLM); ``heuristic`` (Hugging Face's
+    ``num_assistant_tokens_schedule``) starts each request there and adapts it: two
+    more after a step that accepted all its drafts, one fewer (not under 1) after one
+    that did not, up to ``max_speculative_tokens`` (default three times
+    ``num_speculative_tokens``). Long copied runs then verify many drafts a step,
+    where a step costs little more than a plain decode (a CPU at batch 1), while free
+    text shrinks back to few."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    # ngram (prompt lookup): the longest and shortest suffix matched against the
+    # request's tokens, longest first
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # draft_model, eagle, medusa: the draft model's or the heads' directory
+    model: str | None = None
+    disable_by_batch_size: int | None = 8
+    min_acceptance_rate: float = 0.1
+    acceptance_window: int = 16
+    backoff_steps: int = 16
+    draft_length_schedule: str = "constant"
+    max_speculative_tokens: int | None = None
+
+    SCHEDULES: ClassVar[tuple[str, ...]] = ("constant", "heuristic")
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a request is ever offered in one step."""
+        if self.draft_length_schedule == "constant":
+            return self.num_speculative_tokens
+        return self.max_speculative_tokens or 3 * self.num_speculative_tokens
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"speculative method must be a speculator's name, got {self.method!r}")
+        positive = {"num_speculative_tokens": self.num_speculative_tokens, "prompt_lookup_max": self.prompt_lookup_max,
+                    "prompt_lookup_min": self.prompt_lookup_min, "acceptance_window": self.acceptance_window,
+                    "backoff_steps": self.backoff_steps}
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
+        if self.draft_length_schedule not in self.SCHEDULES:
+            raise ValueError(f"speculative config: draft_length_schedule must be one of {', '.join(self.SCHEDULES)}, "
+                             f"got {self.draft_length_schedule!r}")
+        most = self.max_speculative_tokens
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.num_speculative_tokens):
+            raise ValueError(f"speculative config: max_speculative_tokens must be an integer of at least "
+                             f"num_speculative_tokens ({self.num_speculative_tokens}), got {most!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        size = self.disable_by_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"speculative config: disable_by_batch_size must be a positive integer or null, got {size!r}")
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"speculative config: min_acceptance_rate must lie in [0, 1], got {rate!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a config, a mapping of its fields, or their JSON; None stays None.
+        An unknown key is a ValueError naming it."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from ember.logprobs import Logprob
-from ember.step import RequestMetrics
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """When a request reached each stage; ``None`` until it did."""
+
+    arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # prompt tokens found in the prefix cache when the request was first scheduled
+    num_cached_tokens: int = 0
+    # seconds spent detokenizing its tokens and matching stop strings, in total
+    detokenize_time: float = 0.0
+
 
 
 class OutputKind(enum.Enum):
@@ -36,7 +52,7 @@ class CompletionOutput:
     seed: int | None = None
     # finish reason "error": why this sequence ended (e.g. its grammar could not be compiled)
     error: str | None = None
-    # `LLM.chat` with tools: the calls the answer holds (ember.tool_parser.ToolCall), read
+    # `LLM.chat` with tools: the calls the answer holds (ember.plugin.tool_parser.ToolCall), read
     # from `text`; None when the chat had no tools
     tool_calls: tuple | None = None
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
-from ember.grammar import Constraint
+from ember.constraint import Constraint
 from ember.logprobs import MAX_LOGPROBS
 
 MAX_PARALLEL_SAMPLES = 16
@@ -52,7 +52,7 @@ class SamplingParams:
     sequence bans that token). `extra` switches on third-party processors: each key
     names a registered processor, its value is that processor's parameters.
 
-    `constraint` (an `ember.grammar.Constraint`: a JSON schema, a regex, a choice, a
+    `constraint` (an `ember.plugin.grammar.Constraint`: a JSON schema, a regex, a choice, a
     grammar) restricts the output to what it matches (docs/grammar.md), compiled by the
     grammar backend `grammar_backend` names (None: the engine's
     `EngineConfig.grammar_backend`). A request whose output completes the grammar ends
@@ -150,7 +150,7 @@ class SamplingParams:
             raise ValueError(f"best_of_ranking must be 'cumulative' or 'mean', got {self.best_of_ranking!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(
-                f"constraint must be an ember.grammar.Constraint (e.g. Constraint.json_schema(schema)), "
+                f"constraint must be an ember.plugin.grammar.Constraint (e.g. Constraint.json_schema(schema)), "
                 f"got {self.constraint!r}"
             )
         if self.grammar_backend is not None and (not isinstance(self.grammar_backend, str) or not self.grammar_backend):
@@ -227,3 +227,16 @@ class SamplingParams:
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 _PLUGIN_FIELD_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name in PLUGIN_FIELDS}
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int, stream: int = 0) -> int:
+    """The seed of a seeded request's draws for its output token ``position``:
+    splitmix64 over (seed, position, stream), so that neighbouring seeds and
+    positions give unrelated streams. Non-negative, under 2**63."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream * 0x8CB92BA72F3D8DD7) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.hardware import cpu_graphs, cpu_int_quant, cpu_kernels, cpu_quant
 from ember.hardware.cpu_kernels import onednn_linear, onednn_linear_works
 from ember.hardware.cpu_linear import PackedLinear, RowInvariantLinear, SmallBatchLinear, packing_works
 from ember.hardware.cpu_paths import select_path
 from ember.models.layers import Linear
 from ember.plugin import hookimpl
+from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend
 
 logger = logging.getLogger(__name__)
 

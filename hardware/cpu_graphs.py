@@ -15,7 +15,7 @@ eagerly, while
   kernel's arguments, through its ``__packed`` twin), and
 * every PyTorch op is watched (a ``TorchDispatchMode``): an allocation (``torch.empty``)
   or a view passes; anything else (a copy, an ``index_copy_``, a GEMM, an op that
-  writes a tensor) refuses the graph with ``ember.graphs.GraphCaptureRefused`` naming
+  writes a tensor) refuses the graph with ``ember.plugin.backend.GraphCaptureRefused`` naming
   the op, since its work would be missing from the record. So would a native call
   without a recordable form. A refused batch size runs eagerly.
 
@@ -25,7 +25,7 @@ Those live ranges are packed first-fit into one arena, and every recorded pointe
 a capture-time tensor moves to its place in the arena (at the same offset within it):
 a decode batch of 8 needs a few hundred KiB where the capture allocated megabytes.
 Pointers to anything else (the static inputs and metadata the graph reads, weights, the
-KV cache, rope tables) stay as recorded: those tensors outlive the graph (ember.graphs
+KV cache, rope tables) stay as recorded: those tensors outlive the graph (ember.worker.graphs
 keeps the static ones; the model and runner own the rest). A replay runs the records in
 order, so each buffer is reused only as the eager forward would have reused its memory,
 and gives the eager forward's numbers bit for bit (the same kernels, arguments and
@@ -43,10 +43,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ember.graphs import GraphCaptureRefused
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu_kernels import POINTER, NativeFunction, set_recorder
-
+from ember.plugin.backend import GraphCaptureRefused
 
 ALIGNMENT = 64  # bytes: each buffer's place in the arena (PyTorch's CPU allocations are 64-aligned too)
 # the PyTorch ops that only allocate (their tensors' contents are what the kernels write)

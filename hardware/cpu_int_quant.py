@@ -1,4 +1,4 @@
-"""The CPU backend's ops for the integer grids of ``ember.quantized_weights``: PyTorch's
+"""The CPU backend's ops for the integer grids of ``ember.plugin.quantized_weights``: PyTorch's
 weight-only kernels ``_weight_int8pack_mm`` (int8, per channel) and
 ``_weight_int4pack_mm_for_cpu`` (int4, per group, ``w = (q - 8) * scale + zero``).
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ember.quantization import QuantizedLinearOp, QuantizedWeight
-from ember.quantized_weights import Int4Weight, Int8Weight, unpack_nibbles
+from ember.plugin.quantized_weights import Int4Weight, Int8Weight, unpack_nibbles
+from ember.plugin.quantizer import QuantizedLinearOp, QuantizedWeight
 
 ACT_DTYPE = torch.bfloat16
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)

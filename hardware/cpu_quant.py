@@ -47,10 +47,11 @@ import sys
 from pathlib import Path
 
 import torch
+
 from ember.hardware.cpu_kernels import NativeFunction
 from ember.hardware.cpu_paths import cpu_flags, select_path
 from ember.hardware.trusted_library import UntrustedKernelError, build, kernel_cache_dir, load_checked
-from ember.quantization import QuantizedLinearOp, QuantizedWeight
+from ember.plugin.quantizer import QuantizedLinearOp, QuantizedWeight
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.backend import AttentionBatch, BaseAttention
+from ember.plugin.backend import AttentionBatch, BaseAttention
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ember.backend import BaseAttention, BaseBackend
-from ember.graphs import eager_capture
+from ember.plugin.backend import BaseAttention, BaseBackend, eager_capture
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 (NVIDIA, AMD and Intel GPUs all run Triton), tested on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before triton is imported).
 
-``TritonAttention`` implements ``ember.backend.BaseAttention`` for any step: prompts,
+``TritonAttention`` implements ``ember.plugin.backend.BaseAttention`` for any step: prompts,
 chunks of prompts after a cached context, decodes, and all of them mixed in one flat
 batch. Two kernels:
 
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from ember.backend import AttentionBatch, BaseAttention
+
+from ember.plugin.backend import AttentionBatch, BaseAttention
 
 
 @triton.jit

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ember.backend import AttentionBatch, SequenceSlice, select_backend
-from ember.model_loader import load_hf_config, load_model
+from ember.models.loader import load_hf_config, load_model
+from ember.plugin.backend import AttentionBatch, SequenceSlice, select_backend
 from ember.plugin.manager import create_plugin_manager
-from ember.quantization import select_quantizer
+from ember.plugin.quantizer import select_quantizer
 from ember.testing.tiny_models import make_tiny_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

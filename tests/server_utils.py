@@ -46,9 +46,9 @@ def running_server(
 
     from ember.api.server import create_app
     from ember.api.settings import ServerSettings
-    from ember.async_engine import AsyncLLMEngine
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.async_engine import AsyncLLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     engine_kwargs = {"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 128, "block_size": 8}
     engine_kwargs.update(engine or {})

@@ -10,10 +10,10 @@ import re
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_utils import running_server, wait_idle
 
 from ember.api.cli import main
 from ember.api.settings import ServerSettings
-from server_utils import running_server, wait_idle
 
 KEY = "s3cret-Key_0123456789"
 ORIGIN = "https://app.example"
@@ -205,9 +205,9 @@ def test_an_empty_secret_is_refused_before_loading(monkeypatch, capsys, command,
 
 def test_the_startup_log_says_whether_api_key_auth_is_on(tiny_llama_dir, monkeypatch, caplog):
     import ember.api.server as server
-    from ember.async_engine import AsyncLLMEngine
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.async_engine import AsyncLLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
 

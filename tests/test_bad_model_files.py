@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tiny_models import make_tiny_model
 
 from ember.api.cli import main
-from ember.model_loader import load_hf_config
+from ember.models.loader import load_hf_config
 from ember.weights import InvalidCheckpointError, convert_gguf_to_hf, iter_safetensors
 
 

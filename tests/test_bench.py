@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from server_utils import running_server
 
 from ember.api.bench.arrivals import arrival_times
@@ -97,7 +96,7 @@ def test_random_dataset_is_seeded_and_within_range():
 
 
 def test_random_dataset_with_a_tokenizer_has_exact_lengths(tiny_llama_dir):
-    from ember.tokenizer import load_tokenizer
+    from ember.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama_dir)
     requests = create_requests(DatasetSpec("random", num_prompts=5, input_len=12, output_len=3), tokenizer)

@@ -177,11 +177,11 @@ def test_log_level_controls_ember_logs_on_stderr(tiny_llama_dir, capsys):
     logger = logging.getLogger("ember")
     level, handlers = logger.level, list(logger.handlers)
     assert main(["generate", "hi", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
-    assert "INFO ember.model_loader: loaded LlamaForCausalLM" in capsys.readouterr().err
+    assert "INFO ember.models.loader: loaded LlamaForCausalLM" in capsys.readouterr().err
     assert main(["--log-level", "warning", "generate", "hi", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
     assert "loaded LlamaForCausalLM" not in capsys.readouterr().err
     assert main(["generate", "hi", "--log-level", "DEBUG", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
-    assert "INFO ember.model_loader" in capsys.readouterr().err
+    assert "INFO ember.models.loader" in capsys.readouterr().err
     assert (logger.level, logger.handlers) == (level, handlers)  # main leaves logging as it found it
 
 
@@ -263,7 +263,7 @@ def test_generate_sizes_the_kv_cache_to_the_request(tiny_llama_dir, reference_ll
 
 
 HEAVY_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "starlette", "uvicorn",
-                 "pydantic", "httpx", "ember.engine", "ember.llm")
+                 "pydantic", "httpx", "ember.engine.llm_engine", "ember.engine.llm")
 
 
 def test_help_and_bad_input_import_no_heavy_module():

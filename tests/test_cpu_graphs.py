@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from ember import EngineConfig, SamplingParams
-from ember.engine import LLMEngine
-from ember.graphs import GraphCaptureRefused
+from ember.engine.llm_engine import LLMEngine
 from ember.hardware import cpu_graphs, cpu_kernels, cpu_quant
 from ember.hardware.cpu_graphs import _Buffer, _pack, capture
+from ember.worker.graphs import GraphCaptureRefused
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernels cannot be built here")
@@ -62,8 +62,9 @@ def _count_replays(engine: LLMEngine) -> dict[int, int]:
 def gguf_dirs(tmp_path_factory):
     """Tiny GGUF models converted quantized: Q4_0 (x8 layout), Q8_0 Qwen2 with q/k/v
     biases and a tied LM head (x8), Q5_1 (one-row kernels)."""
-    from ember.weights import convert_gguf_to_hf
     from test_gguf_quant import _tiny_gguf
+
+    from ember.weights import convert_gguf_to_hf
 
     tmp = tmp_path_factory.mktemp("cpu-graphs")
     return {
@@ -75,7 +76,7 @@ def gguf_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize(("name", "arch"), [("Q4_0", "llama"), ("Q8_0", "qwen2"), ("Q5_1", "llama")])
 def test_gguf_decode_graphs_give_the_eager_numbers_bit_for_bit(gguf_dirs, name, arch, caplog):
-    with caplog.at_level(logging.INFO, logger="ember.graphs"):
+    with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):
         graphed = _engine(gguf_dirs[name, arch])
     graphs = graphed.runner.graphs
     if name == "Q5_1":  # one-row kernels up to MAX_KERNEL_ROWS rows; more dequantize and GEMM in PyTorch

@@ -204,7 +204,7 @@ def test_small_batch_linear_uses_the_copy_only_for_its_own_weight_and_few_rows(k
 
 
 def _logits(engine, token_ids: list[list[int]]) -> torch.Tensor:
-    from ember.backend import AttentionBatch, SequenceSlice
+    from ember.plugin.backend import AttentionBatch, SequenceSlice
 
     runner = engine.runner
     slices, ids, positions = [], [], []
@@ -224,8 +224,9 @@ def test_bf16_model_decodes_through_the_kernel_with_the_same_logits(kernels, tmp
     """A bf16 model on a CPU without native bf16: its projections (and a tied LM
     head) get bf16 copies; one-row products take the kernel, and the logits match
     the float32 product of the same bf16-rounded weights."""
-    from ember import LLM, SamplingParams
     from tiny_models import make_tiny_model
+
+    from ember import LLM, SamplingParams
 
     monkeypatch.setattr(CPUBackend, "compute_dtype", lambda self, dtype: torch.float32)
     make_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied)
@@ -364,7 +365,7 @@ def test_greedy_vectorized_argmax_edges(kernels, vocab):
 
 def test_sampler_takes_the_backends_greedy_op(kernels):
     from ember import SamplingParams
-    from ember.sampler import Sampler, SamplingRow
+    from ember.worker.sampler import Sampler, SamplingRow
 
     logits = torch.randn(5, 300)
     rows = [SamplingRow(f"r{i}", SamplingParams(temperature=0.0), [1], [], set()) for i in range(5)]

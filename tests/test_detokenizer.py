@@ -1,10 +1,9 @@
 """Streamed text pieces concatenate exactly to the full decode, multi-byte characters included."""
 
 import pytest
-
-from ember.output_processor import IncrementalDetokenizer
-
 from tiny_models import byte_tokenizer
+
+from ember.engine.output_processor import IncrementalDetokenizer
 
 TEXTS = [
     "plain ascii text, with punctuation!",

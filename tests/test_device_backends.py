@@ -16,9 +16,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU
 import pytest
 import torch
 
-from ember.backend import select_backend
 from ember.hardware.torch_device import TorchDeviceBackend, kv_budget_bytes
 from ember.plugin import create_plugin_manager
+from ember.plugin.backend import select_backend
 
 DEVICE_BACKENDS = ("cuda", "rocm", "xpu", "gaudi")
 

@@ -8,14 +8,13 @@ import signal
 
 import httpx
 import pytest
+from server_utils import running_server
 
 from ember import SamplingParams
-from ember.async_engine import AsyncLLMEngine
 from ember.config import EngineConfig
-from ember.engine import LLMEngine
-from ember.engine_client import EngineDeadError
-
-from server_utils import running_server
+from ember.engine.async_engine import AsyncLLMEngine
+from ember.engine.client import EngineDeadError
+from ember.engine.llm_engine import LLMEngine
 
 PROMPTS = ["Hello there", "The capital of", "1 2 3 4"]
 

@@ -8,12 +8,11 @@ that prompt alone. Last-position logits, computed through the paged KV cache
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ember import EngineConfig, SamplingParams
-from ember.backend import AttentionBatch, SequenceSlice
-from ember.engine import LLMEngine
-
-from tiny_models import make_tiny_model
+from ember.engine.llm_engine import LLMEngine
+from ember.plugin.backend import AttentionBatch, SequenceSlice
 
 LOGITS_ATOL = 1e-4  # absolute, on logits of magnitude ~1-10
 PROMPT_LENGTHS = [1, 3, 7, 12, 20, 33, 5, 64]

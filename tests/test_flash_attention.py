@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("triton")
 
 import flash_attn_reference
+
 from ember.hardware.cpu import CPUAttention
 from ember.hardware.flash_attention import FlashAttention
 from ember.hardware.triton_attention import TritonAttention
@@ -118,7 +119,7 @@ def test_an_attention_the_backend_does_not_run_is_refused_by_name(backends, monk
 
 def _generate(model_dir, backend_cls, dtype, **engine_args):
     from ember import EngineConfig, SamplingParams
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
     from ember.plugin import hookimpl
 
     class Plugin:

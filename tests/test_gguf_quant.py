@@ -25,10 +25,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from ember.hardware import cpu_quant
 from ember.hardware.cpu_paths import cpu_flags
+from ember.models.loader import model_weight_bytes
 from ember.weights import gguf_quants
-from ember.model_loader import model_weight_bytes
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 
 # byte offsets of each type's float16 scale fields inside a block
@@ -519,8 +520,9 @@ def test_row_lookups_dequantize_the_rows_bit_for_bit(kernels, name):
 
 
 def test_unsupported_gguf_type_is_named(tmp_path):
-    from ember.weights import convert_gguf_to_hf
     from test_weights import tiny_model, write_tiny_gguf
+
+    from ember.weights import convert_gguf_to_hf
 
     src = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model(), qtype=gguf.GGMLQuantizationType.F32)
     reader_types = {t.tensor_type.name for t in gguf.GGUFReader(src).tensors}

@@ -13,19 +13,20 @@ import re
 
 import jsonschema
 import pytest
+from tiny_models import VOCAB_SIZE, byte_tokenizer
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from ember import LLM, SamplingParams
-from ember.grammar import Constraint, ConstraintKind, GrammarContext, GrammarError, UnsupportedFeatureError
-from ember.grammar_vocab import decode_token_bytes
+from ember.config import SpeculativeConfig
+from ember.engine.speculative import SpeculativeDecoder
 from ember.plugin import create_plugin_manager
-from ember.speculative import BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext
+from ember.plugin.grammar import Constraint, ConstraintKind, GrammarContext, GrammarError, UnsupportedFeatureError
+from ember.plugin.grammar_vocab import decode_token_bytes
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpeculatorContext
 from ember.plugins.grammar.outlines_backend import OutlinesBackend, OutlinesMatcher
 from ember.plugins.grammar.xgrammar_backend import XGrammarBackend
 from ember.testing import check_grammar_backend
-
-from tiny_models import VOCAB_SIZE, byte_tokenizer
 
 BACKENDS = {"outlines": OutlinesBackend, "xgrammar": XGrammarBackend}
 PERSON = {

@@ -1,9 +1,9 @@
-"""Decode steps from device graphs (ember.graphs): the static tensors, padding and
+"""Decode steps from device graphs (ember.worker.graphs): the static tensors, padding and
 per-step refills a captured forward reads, checked on CPU tensors with the Triton
 attention under the interpreter and with the PyTorch-ops attention Gaudi runs.
 
 There are no device graphs on a CPU: here each "replay" runs the forward again
-(`ember.graphs.eager_capture`) through the same static tensors a CUDA graph would
+(`ember.worker.graphs.eager_capture`) through the same static tensors a CUDA graph would
 read, so what is checked is that those tensors carry each step's batch (a graph
 that read stale metadata would give other tokens). The capture itself
 (torch.cuda.CUDAGraph) runs only on a GPU (benchmarks/device_check.py)."""
@@ -22,11 +22,11 @@ import torch
 pytest.importorskip("triton")
 
 from ember import EngineConfig, SamplingParams
-from ember.engine import LLMEngine
-from ember.graphs import default_graph_sizes, eager_capture
+from ember.engine.llm_engine import LLMEngine
 from ember.hardware.triton_attention import TritonAttention
 from ember.plugin import create_plugin_manager, hookimpl
 from ember.testing import check_graph_attention
+from ember.worker.graphs import default_graph_sizes, eager_capture
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _run(engine: LLMEngine) -> list[list[int]]:
 
 
 def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(interpreted, tiny_llama_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="ember.graphs"):
+    with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):
         graphed = _engine(tiny_llama_dir, interpreted, graph_sizes=(1, 2, 4, 8))
     assert "captured 4 decode graphs (batch sizes 1,2,4,8) in" in caplog.text
     graphs = graphed.runner.graphs
@@ -91,7 +91,7 @@ def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
 
 def test_a_float32_model_refuses_cpu_graphs_and_graph_sizes_are_validated(tiny_llama_dir, caplog):
     # its products are PyTorch GEMMs, which a CPU graph cannot record (tests/test_cpu_graphs.py)
-    with caplog.at_level(logging.INFO, logger="ember.graphs"):
+    with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):
         engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512))
     assert engine.backend.graph_capture() is not None and engine.runner.graphs is None
     # (oneDNN's linear, or F.linear's aten.mm where oneDNN's is unavailable)

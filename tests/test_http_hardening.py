@@ -19,7 +19,6 @@ import time
 import httpx
 import pytest
 import torch
-
 from server_utils import running_server, wait_idle
 from test_hostile_clients import request_head, strict_json
 from test_shutdown import Serve
@@ -229,10 +228,11 @@ def test_tokenize_is_capped_by_the_input_limit_and_honours_truncate(server):
 
 
 def test_max_chars_per_token_bounds_every_tokenization(tiny_llama_dir):
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
     from transformers import AutoTokenizer
 
-    from ember.tokenizer import max_chars_per_token
+    from ember.models.tokenizer import max_chars_per_token
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     bound = max_chars_per_token(tokenizer)
@@ -252,7 +252,7 @@ def test_max_chars_per_token_is_none_where_a_token_can_swallow_any_text():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from ember.tokenizer import max_chars_per_token
+    from ember.models.tokenizer import max_chars_per_token
 
     def fast(model, normalizer=None, pre_tokenizer=None):
         tok = Tokenizer(model)
@@ -316,7 +316,7 @@ def test_extreme_penalties_give_finite_logprobs(server):
 
 
 def test_repair_non_finite_leaves_a_distribution_in_every_row():
-    from ember.sampler import repair_non_finite
+    from ember.worker.sampler import repair_non_finite
 
     inf, nan = float("inf"), float("nan")
     logits = torch.tensor([
@@ -338,8 +338,8 @@ def test_repair_non_finite_leaves_a_distribution_in_every_row():
 def test_a_processor_that_makes_infinities_yields_finite_output(tiny_llama_dir):
     """A (third party's) processor that overflows: the sampler still draws finite logprobs."""
     from ember import LLM, SamplingParams
-    from ember.logits_processor import BaseLogitsProcessor
     from ember.plugin import hookimpl
+    from ember.plugin.logits_processor import BaseLogitsProcessor
 
     class Overflow(BaseLogitsProcessor):
         name = "overflow"

@@ -4,11 +4,10 @@ than the pool preempts instead of allocating."""
 
 import httpx
 import pytest
+from server_utils import running_server
 
 from ember import LLM, SamplingParams
 from ember.hardware.cpu import CPUBackend, available_memory_bytes
-
-from server_utils import running_server
 
 
 def kv_bytes(llm) -> int:
@@ -96,11 +95,11 @@ def test_a_kv_cache_smaller_than_one_request_names_what_the_user_set(
     tiny_llama_dir, monkeypatch, capsys, argv, message, is_before_loading
 ):
     import ember.api.server
-    import ember.engine_core
+    import ember.engine.core
     from ember.api.cli import main
 
     if is_before_loading:
-        monkeypatch.setattr(ember.engine_core, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+        monkeypatch.setattr(ember.engine.core, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
     monkeypatch.setattr(ember.api.server, "create_server", lambda *a, **k: pytest.fail("the server started"))
     # the core in this process, where the patches apply
     assert main(["serve", "--model-id", str(tiny_llama_dir), "--dtype", "float32", "--engine-mode", "thread", *argv]) == 2
@@ -136,11 +135,11 @@ def test_derived_limits_are_named_as_derived():
 
 
 def test_the_engine_refuses_a_kv_cache_below_max_model_len_only_when_asked(tiny_llama_dir, monkeypatch):
-    import ember.engine_core
-    from ember.kv_sizing import KVCacheTooSmallError
+    import ember.engine.core
+    from ember.worker.kv_sizing import KVCacheTooSmallError
 
     with monkeypatch.context() as patch:
-        patch.setattr(ember.engine_core, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
+        patch.setattr(ember.engine.core, "load_model", lambda *a, **k: pytest.fail("the weights were loaded"))
         with pytest.raises(KVCacheTooSmallError) as caught:
             LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=64 << 10,
                 require_kv_for_max_model_len=True)

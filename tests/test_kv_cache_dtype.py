@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from ember import EngineConfig, SamplingParams
-from ember.engine import LLMEngine
+from ember.engine.llm_engine import LLMEngine
 from ember.hardware import cpu_kernels
 from ember.hardware.cpu import CPUBackend
 

@@ -1,6 +1,6 @@
 import pytest
 
-from ember.kv_cache_manager import BlockPool, KVCacheManager
+from ember.sched.kv_cache_manager import BlockPool, KVCacheManager
 
 
 def test_allocate_grows_table_block_by_block():

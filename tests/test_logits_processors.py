@@ -1,4 +1,4 @@
-"""Logits processing: each of core's controls (ember.sampler) and the ``typical_p``
+"""Logits processing: each of core's controls (ember.worker.sampler) and the ``typical_p``
 plugin against transformers' processor or warper (or hand-computed values) on random
 logits with different parameters per row; the pipeline's bands, greedy skipping and
 per-request state as requests join and leave; seeded sampling independent of batch
@@ -17,12 +17,11 @@ from transformers.generation import logits_process as hf
 
 import ember
 from ember import SamplingParams
-from ember.logits_processor import LogitsPipeline
-from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugin import create_plugin_manager
+from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsProcessorContext, SamplingRow
 from ember.plugins.logits.typical import TypicalP
-from ember.sampler import Sampler
 from ember.testing import check_logits_processor
+from ember.worker.sampler import Sampler
 
 VOCAB = 64
 EOS = (1,)

@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ember import EngineConfig, SamplingParams
-from ember.engine import LLMEngine
+from ember.engine.llm_engine import LLMEngine
 from ember.logprobs import MAX_LOGPROBS
-
-from tiny_models import make_tiny_model
 
 ATOL = 1e-4
 NEW_TOKENS = 6
@@ -132,7 +131,7 @@ def test_requests_without_logprobs_cost_nothing_extra(tiny, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("logprobs computed for a request that did not ask")
 
-    monkeypatch.setattr("ember.model_runner.compute_position_logprobs", refuse)
+    monkeypatch.setattr("ember.worker.model_runner.compute_position_logprobs", refuse)
     params = [SamplingParams(max_tokens=3), SamplingParams(temperature=0, max_tokens=3)]
     outs = run(engine, prompts(hf_model.config.vocab_size)[:2], params)
     for out in outs:

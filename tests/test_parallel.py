@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ember.llm import LLM
+
+from ember.engine.llm import LLM
 from ember.plugin import create_plugin_manager
 from ember.sampling_params import SamplingParams
 from ember.testing.tiny_models import make_tiny_model

@@ -226,3 +226,82 @@ def test_required_plugin_not_installed(fake_eps):
     fake_eps.add("present", REGISTERS_OLDLLAMA)
     with pytest.raises(PluginLoadError, match="required plugin\\(s\\) \\['absent'\\] not found; discovered: present"):
         create_plugin_manager(required=["absent"])
+
+
+# --- the versioned plugin API (docs/plugins.md) ---
+
+def test_api_version_is_semantic_and_the_example_plugin_declares_a_range_that_admits_it(example_version):
+    from packaging.version import Version
+
+    import ember_legacy_llama.plugin as example
+    from ember.plugin import API_VERSION
+    from ember.plugin.api_version import api_range_problem
+
+    assert Version(API_VERSION).release[0] >= 1 and len(Version(API_VERSION).release) == 3
+    assert example.EMBER_PLUGIN_API and api_range_problem(example, "legacy_llama") is None
+
+
+@pytest.mark.parametrize("declared, admitted", [
+    (">=1.0,<2", True), ("~=1.0", True), (None, True), (">=2", False), ("<1", False), ("==0.9.*", False),
+])
+def test_a_declared_range_admits_this_api_or_names_plugin_range_and_version(declared, admitted):
+    from ember.plugin import API_VERSION
+    from ember.plugin.api_version import api_range_problem
+
+    plugin = type("Plugin", (), {} if declared is None else {"EMBER_PLUGIN_API": declared})
+    problem = api_range_problem(plugin, "acme_npu")
+    if admitted:
+        assert problem is None
+    else:
+        assert "'acme_npu'" in problem and declared in problem and API_VERSION in problem
+
+
+def test_a_range_that_is_no_range_is_refused():
+    from ember.plugin.api_version import api_range_problem
+
+    problem = api_range_problem(type("Plugin", (), {"EMBER_PLUGIN_API": "one point oh"}), "acme_npu")
+    assert "'one point oh'" in problem and "not a version range" in problem
+
+
+OUT_OF_RANGE = REGISTERS_OLDLLAMA + '\nEMBER_PLUGIN_API = ">=2.0,<3"\n'
+
+
+def test_discovered_plugin_outside_the_api_range_is_logged_and_skipped(fake_eps, caplog):
+    fake_eps.add("future", OUT_OF_RANGE)
+    fake_eps.add("works", REGISTERS_OLDLLAMA.replace('"OldLlama"', '"OtherLlama"') + '\nEMBER_PLUGIN_API = ">=1.0,<2"\n')
+    with caplog.at_level(logging.WARNING, logger="ember.plugin"):
+        pm = create_plugin_manager()
+    statuses = {i.name: i.status for i in pm.plugin_infos}
+    assert statuses["works"] == "loaded" and statuses["future"].startswith("skipped: ")
+    assert "plugin 'future' supports Ember plugin API >=2.0,<3" in caplog.text and "skipping it" in caplog.text
+    assert not pm.has_plugin("future") and "OldLlama" not in pm.registries.model_architectures
+    assert "OtherLlama" in pm.registries.model_architectures
+
+
+def test_required_plugin_outside_the_api_range_is_refused_naming_it(fake_eps):
+    from ember.plugin import API_VERSION
+
+    fake_eps.add("future", OUT_OF_RANGE)
+    with pytest.raises(PluginLoadError, match=f"plugin 'future' supports Ember plugin API >=2.0,<3, .* {API_VERSION}"):
+        create_plugin_manager(required=["future"])
+    plugin = type("Plugin", (), {"EMBER_PLUGIN_API": "<1"})()
+    with pytest.raises(PluginLoadError, match="plugin 'direct' supports Ember plugin API <1"):
+        create_plugin_manager(extra_plugins=[("direct", plugin)])
+
+
+def test_old_module_names_are_aliases_of_the_new_modules():
+    """Plugins written against Ember 0.1's flat core (ember.backend, ember.logits_processor, ...)
+    get the very modules that moved, with a DeprecationWarning naming the new place."""
+    import importlib
+
+    from ember._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+    from ember.backend import BaseBackend  # the backend template's import
+    from ember.plugin.backend import BaseBackend as Contract
+
+    assert BaseBackend is Contract

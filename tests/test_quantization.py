@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from ember.hardware.cpu import CPUBackend
 from ember.models.layers import Linear
+from ember.plugin.quantized_weights import Int4Weight, Int8Weight, pack_nibbles, unpack_nibbles
+from ember.plugin.quantizer import QuantizedLinearOp, select_quantizer
 from ember.plugins.quantizers.weight_only import Int4Quantizer, Int8Quantizer, quantize_int4, quantize_int8
-from ember.quantization import QuantizedLinearOp, select_quantizer
-from ember.quantized_weights import Int4Weight, Int8Weight, pack_nibbles, unpack_nibbles
 from ember.testing import check_quantized_linear_op, check_quantizer
 from tests.quant_checkpoints import assert_close_logits, load, logits, registries, tiny_float_model
 
@@ -106,9 +106,9 @@ def test_int8_and_int4_models_stay_near_the_float_model(float_dir):
 
 
 def test_quantized_linears_keep_no_float_weight_and_report_their_bytes(float_dir, caplog):
-    from ember.model_loader import model_weight_bytes
+    from ember.models.loader import model_weight_bytes
 
-    caplog.set_level("INFO", logger="ember.model_loader")
+    caplog.set_level("INFO", logger="ember.models.loader")
     model, _, _ = load(float_dir, "int4")
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.is_quantized]
     assert len(quantized) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
@@ -181,7 +181,7 @@ def test_a_format_the_backend_does_not_run_is_refused_naming_both_or_dequantized
     with pytest.raises(ValueError, match=r"the cpu backend does not run 'int8' weights \(from quantizer 'int8'\) in "
                                          r"torch.float32; it runs: none. Pass --dequantize"):
         load(float_dir, "int8")
-    caplog.set_level("WARNING", logger="ember.quantization")
+    caplog.set_level("WARNING", logger="ember.plugin.quantizer")
     model, _, _ = load(float_dir, "int8", dequantize=True)
     assert any("dequantized to torch.float32 at load" in r.message for r in caplog.records)
     assert not any(isinstance(m, Linear) and m.is_quantized for m in model.modules())
@@ -220,7 +220,7 @@ _MISALIGNED = """
 import torch
 from ember.hardware.cpu import CPUBackend
 from ember.plugins.quantizers.weight_only import quantize_int8
-from ember.quantized_weights import Int8Weight
+from ember.plugin.quantized_weights import Int8Weight
 
 torch.manual_seed(0)
 w = quantize_int8(torch.randn(64, 64))

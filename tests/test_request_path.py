@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 
 import httpx
-
 from server_utils import running_server, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +47,6 @@ def test_a_streaming_chat_completion_crosses_at_most_20_project_files(tiny_llama
     assert response.status_code == 200 and b"data: [DONE]" in response.content
     files = sorted(str(Path(f).relative_to(ROOT)) for f in seen)
     # the path reaches every layer: a test that recorded nothing would pass vacuously
-    assert any(f.startswith("api/routes/") for f in files) and "core/scheduler.py" in files, files
+    assert any(f.startswith("api/routes/") for f in files) and "core/sched/scheduler.py" in files, files
     assert any(f.startswith("hardware/") for f in files) and any(f.startswith("core/models/") for f in files), files
     assert len(files) <= MAX_FILES, f"{len(files)} files on the request path: {files}"

@@ -1,4 +1,4 @@
-"""The batched sampler (ember.sampler): a mixed batch (greedy, sampled, penalties,
+"""The batched sampler (ember.worker.sampler): a mixed batch (greedy, sampled, penalties,
 seeded rows) equals a per-row reference built of transformers' processors; seeded
 rows draw the same tokens whatever their batch and position; several rows of one
 request (speculative decoding) draw in row order; an operation no row uses does not
@@ -15,11 +15,16 @@ import torch
 from transformers.generation import logits_process as hf
 
 from ember import SamplingParams
-from ember import sampler as sampler_module
-from ember.logits_processor import LogitsPipeline
-from ember.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
+from ember.plugin.logits_processor import (
+    ORDER_ADJUST,
+    BaseLogitsProcessor,
+    LogitsPipeline,
+    LogitsProcessorContext,
+    SamplingRow,
+)
 from ember.plugins.logits.typical import TypicalP
-from ember.sampler import Sampler, position_seed
+from ember.worker import sampler as sampler_module
+from ember.worker.sampler import Sampler, position_seed
 
 VOCAB = 64
 EOS = (1,)

@@ -2,17 +2,15 @@
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pytest
-
 from ember.config import SchedulerConfig
-from ember.kv_cache_manager import KVCacheManager
-from ember.scheduler import Request, RequestStatus
 from ember.sampling_params import SamplingParams
-from ember.scheduler import ModelRunnerOutput, Scheduler
-from ember.step import SchedulerOutput
+from ember.sched.kv_cache_manager import KVCacheManager
+from ember.sched.scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler
+from ember.sched.step import SchedulerOutput
 
 EOS = 2
 
@@ -322,7 +320,7 @@ def test_the_engine_takes_the_backends_prefill_budget_unless_the_user_set_one(ti
 def test_prefill_context_scale_of_a_llama_config():
     from transformers import LlamaConfig
 
-    from ember.model_loader import prefill_context_scale
+    from ember.models.loader import prefill_context_scale
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
     # per layer: q, o 576 x 576; k, v 576 x 192; gate, up, down 576 x 1536

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_serve_cli import free_port
 
 
@@ -183,9 +182,9 @@ def test_requests_still_running_at_the_deadline_end_with_an_error(serve):
 def test_health_is_503_until_the_warm_up_pass_ran(tiny_llama_dir):
     from ember.api.server import create_app
     from ember.api.settings import ServerSettings
-    from ember.async_engine import AsyncLLMEngine
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.async_engine import AsyncLLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, block_size=8)))
     app = create_app(engine, ServerSettings(model_id=str(tiny_llama_dir)))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.output_processor import IncrementalDetokenizer
+from ember.engine.output_processor import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 

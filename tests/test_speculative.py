@@ -1,4 +1,4 @@
-"""Speculative decoding (ember.speculative, ember.plugins.speculative): the config,
+"""Speculative decoding (ember.plugin.speculator, ember.plugins.speculative): the config,
 the n-gram speculator, exactness against decoding without speculation, the output
 distribution under sampling, and the engine's step-aside rules.
 
@@ -13,13 +13,13 @@ import json
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
+from ember.config import SpeculativeConfig
+from ember.engine.speculative import SpeculativeDecoder
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 from ember.plugins.speculative.ngram import NgramSpeculator
-from ember.speculative import (
-    BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext, SpecRequest,
-)
-from tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None,
          "min_acceptance_rate": 0.0}
@@ -318,7 +318,6 @@ def test_serve_flags_speculate_and_speculative_config(capsys):
 
 def test_speculation_figures_reach_info_and_metrics(tiny_llama_dir):
     import httpx
-
     from server_utils import running_server
 
     spec = {**NGRAM, "method": "ngram"}

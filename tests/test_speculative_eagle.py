@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.speculative import SpecRequest
-from tiny_models import make_tiny_model
+from ember.plugin.speculator import SpecRequest
 
 REPEATING = [
     [(i % 7) + 10 for i in range(40)],

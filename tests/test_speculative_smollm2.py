@@ -7,7 +7,7 @@ accepted along the way."""
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.llm import encode_chat
+from ember.engine.llm import encode_chat
 
 pytestmark = pytest.mark.slow
 

@@ -5,16 +5,16 @@ that break a rule of the contract fail it with that rule named."""
 from __future__ import annotations
 
 import pytest
+from test_speculative import _medusa_heads
+from test_speculative_eagle import write_eagle_head
+from tiny_models import make_tiny_model
 
+from ember.plugin.speculator import BaseSpeculator, Proposal
 from ember.plugins.speculative.draft_model import DraftModelSpeculator
 from ember.plugins.speculative.eagle import EagleSpeculator
 from ember.plugins.speculative.medusa import MedusaSpeculator
 from ember.plugins.speculative.ngram import NgramSpeculator
-from ember.speculative import BaseSpeculator, Proposal
 from ember.testing import check_speculator
-from test_speculative import _medusa_heads
-from test_speculative_eagle import write_eagle_head
-from tiny_models import make_tiny_model
 
 
 def test_ngram_conforms(tmp_path):

@@ -1,4 +1,4 @@
-"""The step contract (ember.step): values, not objects, between the scheduler and the
+"""The step contract (ember.sched.step): values, not objects, between the scheduler and the
 runner; and its two slots, driven by a fake speculator and a fake grammar mask."""
 
 import io
@@ -6,17 +6,18 @@ import pickle
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.speculative import BaseSpeculator, Proposal, SpeculativeConfig, SpeculativeDecoder, SpeculatorContext
-from ember.step import ModelRunnerOutput, SchedulerOutput
-
-from tiny_models import make_tiny_model
+from ember.config import SpeculativeConfig
+from ember.engine.speculative import SpeculativeDecoder
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpeculatorContext
+from ember.sched.step import ModelRunnerOutput, SchedulerOutput
 
 # What a step's values may reference when pickled: the contract's own dataclasses,
 # sampling params, logprob entries, tensors and builtins. No Request, scheduler,
 # KV manager, runner or model.
-ALLOWED_MODULES = ("ember.step", "ember.sampling_params", "ember.logprobs", "torch", "builtins", "collections", "copyreg")
+ALLOWED_MODULES = ("ember.sched.step", "ember.sampling_params", "ember.logprobs", "torch", "builtins", "collections", "copyreg")
 
 
 class _Recorder(pickle.Unpickler):
@@ -209,7 +210,7 @@ def test_allowed_token_mask_of_the_wrong_shape_is_refused(llm):
 @pytest.mark.parametrize("stop", [(), ("e",), ("zz", "a b")])
 def test_delta_outputs_concatenate_to_the_cumulative_ones(llm, stop):
     """DELTA outputs carry only what is new; joined, they are the CUMULATIVE output."""
-    from ember.output_processor import OutputKind
+    from ember.engine.output_processor import OutputKind
 
     engine = llm.engine
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=20, stop=stop, logprobs=1)

@@ -11,15 +11,15 @@ import shutil
 import jsonschema
 import pytest
 
-from ember.grammar import ConstraintKind
-from ember.llm import LLM
+from ember.engine.llm import LLM
+from ember.engine.tool_calls import chat_messages, select_tool_parser, setup_tools
 from ember.plugin import create_plugin_manager
+from ember.plugin.grammar import ConstraintKind
+from ember.plugin.tool_parser import ForcedToolCallParser, ParserDelta, ToolCall
 from ember.plugins.tool_parsers.hermes import HermesToolParser
 from ember.plugins.tool_parsers.llama3_json import Llama3JsonToolParser
 from ember.sampling_params import SamplingParams
 from ember.testing import check_tool_parser
-from ember.tool_calls import chat_messages, select_tool_parser, setup_tools
-from ember.tool_parser import ForcedToolCallParser, ParserDelta, ToolCall
 
 ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
 TOOLS = [

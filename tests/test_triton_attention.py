@@ -13,8 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU
 import pytest
 import torch
 
-from ember.backend import AttentionBatch, SequenceSlice
 from ember.hardware.cpu import CPUAttention, CPUBackend
+from ember.plugin.backend import AttentionBatch, SequenceSlice
 from ember.testing.backend_conformance import check_attention
 
 triton_attention = pytest.importorskip("ember.hardware.triton_attention")

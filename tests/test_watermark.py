@@ -12,15 +12,15 @@ import statistics
 import httpx
 import pytest
 import torch
+from server_utils import running_server
 
 import ember
 from ember import SamplingParams
 from ember.api.cli import main
-from ember.logits_processor import LogitsProcessorContext, SamplingRow
+from ember.plugin.logits_processor import LogitsProcessorContext, SamplingRow
 from ember.plugins.watermark import Detector, GreenList, WatermarkProcessor
 from ember.plugins.watermark.detector import p_value, z_score
 from ember.testing.logits_processor_conformance import check_logits_processor
-from server_utils import running_server
 
 VOCAB = 1000
 
@@ -246,7 +246,7 @@ def green_chain(green: GreenList, first: int, length: int) -> list[int]:
 
 
 def _tiny_vocab(model_dir) -> int:
-    from ember.model_loader import load_hf_config
+    from ember.models.loader import load_hf_config
 
     return load_hf_config(model_dir).vocab_size
 

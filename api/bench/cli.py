@@ -240,7 +240,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     )
     tokenizer = None
     if args.tokenizer is not None:
-        from ember.tokenizer import load_tokenizer
+        from ember.models.tokenizer import load_tokenizer
         from ember.weights import resolve_model
 
         tokenizer = load_tokenizer(resolve_model(args.tokenizer, progress=args.progress))
@@ -282,7 +282,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     from ember.api.bench.datasets import create_requests
     from ember.api.bench.offline import benchmark_offline
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     _check_output_paths(args)
     spec = _dataset_spec(args)

@@ -72,7 +72,7 @@ def measure_decode(spec):
     import ember
     from ember import SamplingParams
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     prompt_ids = list(spec["prompt_token_ids"])
     decode_tokens = int(spec["decode_tokens"])
@@ -289,7 +289,7 @@ def run_offline(model_dir: str, dtype: str, requests: list, concurrency: int | N
     from ember.api.bench.offline import benchmark_offline
     from ember.api.bench.serve import LoadConfig
     from ember.config import EngineConfig
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, **engine_args))
     try:
@@ -506,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ember.api.bench.datasets import DatasetSpec, create_requests
-    from ember.input_processor import apply_chat_template
-    from ember.tokenizer import load_tokenizer
+    from ember.engine.input_processor import apply_chat_template
+    from ember.models.tokenizer import load_tokenizer
     from ember.weights import resolve_model
 
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens),

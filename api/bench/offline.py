@@ -21,11 +21,11 @@ from ember.api.bench.serve import LoadConfig, describe_load
 def benchmark_offline(engine: Any, requests: list[BenchRequest], load: LoadConfig, temperature: float = 0.0,
                       ignore_eos: bool = True, label: str = "offline",
                       extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run `requests` through `engine` (an idle `ember.engine.LLMEngine`) and return the
+    """Run `requests` through `engine` (an idle `ember.engine.llm_engine.LLMEngine`) and return the
     result (see `metrics.build_result`). A request the engine refuses (ValueError:
     too long for the context, ...) is a failure, not an exception."""
     from ember import SamplingParams
-    from ember.input_processor import apply_chat_template
+    from ember.engine.input_processor import apply_chat_template
 
     if engine.has_unfinished_requests():
         raise RuntimeError("benchmark_offline needs an idle engine")

@@ -9,7 +9,7 @@ when that many slots are not free.
 A constrained request (structured outputs, a forced tool call) waits for its first
 engine output before answering, streams included, so that a grammar that fails to
 compile is a 400 (`ember.api.structured_outputs`). On chat, a tool-call parser
-(`ember.tool_calls`) reads the answer into `tool_calls`, streamed as OpenAI does.
+(`ember.engine.tool_calls`) reads the answer into `tool_calls`, streamed as OpenAI does.
 """
 
 from __future__ import annotations
@@ -26,17 +26,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember.api.errors import APIError, Flavor, bad_request, error_response, not_available, sse_error_event, validation_error
+from ember.api.errors import (
+    APIError,
+    Flavor,
+    bad_request,
+    error_response,
+    not_available,
+    sse_error_event,
+    validation_error,
+)
 from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
 from ember.api.openapi import documented
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService, with_watermark
 from ember.api.structured_outputs import check_backend, failure, openai_constraint
-from ember.grammar import Constraint
+from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
 from ember.outputs import OutputKind, RequestOutput
+from ember.plugin.grammar import Constraint
+from ember.plugin.tool_parser import BaseToolParser, ParserDelta
 from ember.sampling_params import SamplingParams
-from ember.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
-from ember.tool_parser import BaseToolParser, ParserDelta
 
 DONE_EVENT = b"data: [DONE]\n\n"
 

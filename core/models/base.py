@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.backend import BaseAttention
 from ember.models.layers import FusableOp, Linear
+from ember.plugin.backend import BaseAttention
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class BaseCausalLM(nn.Module, ABC):
         attn_metadata: Any,
     ) -> torch.Tensor:
         """``input_ids``, ``positions``: ``(num_tokens,)`` int64. ``kv_caches``: one
-        tensor per layer (layout in :mod:`ember.backend`). Returns hidden states
+        tensor per layer (layout in :mod:`ember.plugin.backend`). Returns hidden states
         ``(num_tokens, hidden_size)`` in the compute dtype."""
 
     @abstractmethod

@@ -17,7 +17,7 @@ class Linear(nn.Module):
     (``BaseBackend.linear_op``).
 
     A quantized linear (docs/quantization.md) gets its parts as
-    :class:`ember.quantization.QuantizedWeight` through ``load_part``: the float
+    :class:`ember.plugin.quantizer.QuantizedWeight` through ``load_part``: the float
     ``weight`` is freed at the first one (``weight`` is None from then on), and
     ``set_quantized_op`` joins the parts and installs the backend's op for their format.
     """

@@ -13,13 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.backend import BaseAttention
 from ember.models.base import BaseCausalLM, KVCacheSpec
 from ember.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
-from ember.parallel.model import (
-    build_parallel_shard, gather_logits, parallel_attention, parallel_mlp, pipeline_forward,
+from ember.models.parallel.model import (
+    build_parallel_shard,
+    gather_logits,
+    parallel_attention,
+    parallel_mlp,
+    pipeline_forward,
 )
 from ember.plugin import hookimpl
+from ember.plugin.backend import BaseAttention
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -147,7 +151,7 @@ class LlamaForCausalLM(BaseCausalLM):
                 if self.tie_word_embeddings
                 else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, compute_dtype, device)
             )
-        else:  # this rank's shard (ember.parallel.layers)
+        else:  # this rank's shard (ember.models.parallel.layers)
             self.embed_tokens, self.layers, self.norm, self.lm_head = build_parallel_shard(
                 self, cfg, parallel, lambda: LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device, parallel),
                 dtype, compute_dtype, device,
@@ -175,7 +179,7 @@ class LlamaForCausalLM(BaseCausalLM):
         return KVCacheSpec(end - start, attn.num_kv_heads, attn.head_dim)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata: Any) -> torch.Tensor:
-        if self.parallel is not None and self.parallel.pp_size > 1:  # stage by stage: ember.parallel.pipeline
+        if self.parallel is not None and self.parallel.pp_size > 1:  # stage by stage: ember.models.parallel.pipeline
             return pipeline_forward(self, input_ids, positions, kv_caches, attn_metadata)
         hidden, residual = self.run_layers(positions, self.embed(input_ids), None, kv_caches, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
@@ -193,7 +197,7 @@ class LlamaForCausalLM(BaseCausalLM):
         return hidden, residual
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.parallel is not None:  # full logits on every rank: ember.parallel.layers.gather_logits
+        if self.parallel is not None:  # full logits on every rank: ember.models.parallel.layers.gather_logits
             local = self._local_logits(hidden_states) if self.parallel.is_last_stage else None
             return gather_logits(self.parallel, local, hidden_states.shape[0], self.config.vocab_size,
                                  hidden_states.device)

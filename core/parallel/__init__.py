@@ -1,11 +1,8 @@
-"""Tensor and pipeline parallelism over ``torch.distributed`` (docs/parallel.md).
+"""Tensor and pipeline parallelism over ``torch.distributed`` (docs/parallel.md): the
+ranks at run time. How a model is split (process groups, parallel layers, stages,
+micro-batches, one rank's shard of the checkpoint) is ``ember.models.parallel``.
 
 Module map:
-    state     ParallelConfig, ParallelContext (ranks, groups), init_parallel, torchrun's environment
-    layers    column/row-parallel linears, vocabulary-parallel embedding, logits gather, checkpoint slices
-    model     what an architecture calls: its parallel projections, its stage's shard, the stage forward
-    pipeline  micro-batches (split at request boundaries) and the attention wrapper that prepares them
-    loader    one rank's shard read from safetensors with get_slice
     worker    a rank > 0: its shard, its KV cache, the loop running the driver's steps
     executor  rank 0 (the driver, inside the engine core): starts the workers, broadcasts each step
 """
@@ -14,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
+from ember.models.parallel.loader import check_parallel_model
+from ember.models.parallel.state import ParallelConfig, ParallelContext, torchrun_environment
 from ember.parallel.executor import ParallelExecutor, WorkerFailedError
-from ember.parallel.loader import check_parallel_model
-from ember.parallel.state import ParallelConfig, ParallelContext, torchrun_environment
 from ember.parallel.worker import WorkerArgs, worker_main
 
 __all__ = [

@@ -6,7 +6,7 @@ the scheduler's output to the workers before running it itself; it samples, and
 the tokens it emitted travel with the next step. A watchdog thread checks the
 spawned workers every half second: a worker that dies makes ``failure`` say so,
 and the next step (or the engine's idle loop) raises :class:`WorkerFailedError`,
-which ends the engine (``ember.engine_client.EngineFatalError``). A collective
+which ends the engine (``ember.errors.EngineFatalError``). A collective
 with a dead peer fails at once (gloo reports the closed connection); one with a
 hung peer fails after ``parallel_timeout_s``.
 """
@@ -22,11 +22,12 @@ import time
 import weakref
 
 import torch.distributed as dist
-from ember.engine_client import EngineFatalError
-from ember.model_runner import ModelRunner
-from ember.parallel.state import ParallelConfig, destroy_parallel, torchrun_environment
+
+from ember.errors import EngineFatalError
+from ember.models.parallel.state import ParallelConfig, destroy_parallel, torchrun_environment
 from ember.parallel.worker import RankInfo, RankState, WorkerArgs, worker_main
-from ember.step import ModelRunnerOutput, SchedulerOutput
+from ember.sched.step import ModelRunnerOutput, SchedulerOutput
+from ember.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -29,24 +29,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from ember.backend import select_backend
+
 from ember.config import EngineConfig
-from ember.kv_sizing import profile_kv_budget
-from ember.logits_processor import LogitsPipeline, LogitsProcessorContext
-from ember.model_loader import load_hf_config, model_dtype
-from ember.model_runner import ModelRunner
-from ember.parallel.layers import resident_weight_bytes
-from ember.parallel.loader import load_model_shard
-from ember.parallel.pipeline import MicroBatchAttention
-from ember.parallel.state import (
+from ember.models.loader import load_hf_config, model_dtype
+from ember.models.parallel.layers import resident_weight_bytes
+from ember.models.parallel.loader import load_model_shard
+from ember.models.parallel.pipeline import MicroBatchAttention
+from ember.models.parallel.state import (
     ParallelConfig,
     ParallelContext,
     all_reduce_min,
     destroy_parallel,
     init_parallel,
 )
+from ember.models.tokenizer import eos_token_ids, load_tokenizer
 from ember.plugin import create_plugin_manager
-from ember.tokenizer import eos_token_ids, load_tokenizer
+from ember.plugin.backend import select_backend
+from ember.plugin.logits_processor import LogitsPipeline, LogitsProcessorContext
+from ember.worker.kv_sizing import profile_kv_budget
+from ember.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

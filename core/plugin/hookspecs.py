@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pluggy
 
 if TYPE_CHECKING:
-    from ember.engine_client import EngineClient
     from ember.plugin.registry import Registry
 
 T = TypeVar("T")
@@ -37,7 +36,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def ember_register_backends(registry: Registry) -> None:
     """Register hardware backends: ``registry.register("cpu", CPUBackend)``.
 
-    Values are subclasses of :class:`ember.backend.BaseBackend`.
+    Values are subclasses of :class:`ember.plugin.backend.BaseBackend`.
     """
 
 
@@ -53,7 +52,7 @@ def ember_register_model_architectures(registry: Registry) -> None:
 def ember_register_logits_processors(registry: Registry) -> None:
     """Register logits processors: ``registry.register(MyProcessor.name, MyProcessor)``.
 
-    Values are subclasses of :class:`ember.logits_processor.BaseLogitsProcessor`,
+    Values are subclasses of :class:`ember.plugin.logits_processor.BaseLogitsProcessor`,
     registered under their ``name``; the engine builds one instance of each
     (``cls(LogitsProcessorContext)``) when it starts. A request switches a
     third-party processor on with ``SamplingParams(extra={name: parameters})``.
@@ -64,7 +63,7 @@ def ember_register_logits_processors(registry: Registry) -> None:
 def ember_register_quantizers(registry: Registry) -> None:
     """Register weight quantizers: ``registry.register(MyQuantizer.name, MyQuantizer)``.
 
-    Values are subclasses of :class:`ember.quantization.BaseQuantizer`; the engine builds
+    Values are subclasses of :class:`ember.plugin.quantizer.BaseQuantizer`; the engine builds
     the one that reads the checkpoint's ``quantization_config``, or the one named by
     ``EngineConfig.quantize`` (``--quantize``) for a float checkpoint
     (docs/quantization.md).
@@ -74,14 +73,14 @@ def ember_register_quantizers(registry: Registry) -> None:
 @hookspec
 def ember_register_speculators(registry: Registry) -> None:
     """Register speculators by name: subclasses of
-    :class:`ember.speculative.BaseSpeculator` (docs/speculative.md)."""
+    :class:`ember.plugin.speculator.BaseSpeculator` (docs/speculative.md)."""
 
 
 @hookspec
 def ember_register_grammar_backends(registry: Registry) -> None:
     """Register grammar-guided decoding backends: ``registry.register(MyBackend.name, MyBackend)``.
 
-    Values are subclasses of :class:`ember.grammar.BaseGrammarBackend`; the engine
+    Values are subclasses of :class:`ember.plugin.grammar.BaseGrammarBackend`; the engine
     builds one per tokenizer the first time a request asks for it (by
     ``SamplingParams.grammar_backend``, else ``EngineConfig.grammar_backend``) and
     compiles constraints on worker threads (docs/grammar.md).
@@ -92,7 +91,7 @@ def ember_register_grammar_backends(registry: Registry) -> None:
 def ember_register_tool_parsers(registry: Registry) -> None:
     """Register tool-call parsers: ``registry.register(MyParser.name, MyParser)``.
 
-    Values are subclasses of :class:`ember.tool_parser.BaseToolParser`; a chat with
+    Values are subclasses of :class:`ember.plugin.tool_parser.BaseToolParser`; a chat with
     ``tool_choice: "auto"`` is read by the first one (by name) whose
     ``matches_template`` accepts the model's chat template (docs/grammar.md).
     """
@@ -115,8 +114,9 @@ class RouteContext(ABC):
 
     @property
     @abstractmethod
-    def client(self) -> EngineClient:
-        """The engine (`ember.engine_client.EngineClient`): tokenizer, model facts, a
+    def client(self) -> Any:
+        """The engine, an `ember.engine.client.EngineClient` (typed loosely here: the plugin
+        contracts sit below the engine and import nothing of it): tokenizer, model facts, a
         plugin's own logits processor (``client.logits_processor(name)``)."""
 
     @property

@@ -1,8 +1,8 @@
 """Build the plugin manager: discover the `ember` entry points, load, register.
 
-A plugin the user named (``required``) that fails to load raises
-:class:`PluginLoadError` naming it; one merely discovered that fails is logged
-and skipped. ``disabled`` names are blocked (pluggy's ``set_blocked``) and never
+A plugin the user named (``required``) that fails to load, or whose declared plugin
+API range (``EMBER_PLUGIN_API``, `ember.plugin.api_version`) excludes this Ember's,
+raises :class:`PluginLoadError` naming it; one merely discovered is logged and skipped. ``disabled`` names are blocked (pluggy's ``set_blocked``) and never
 imported.
 """
 
@@ -16,6 +16,7 @@ from importlib import metadata
 import pluggy
 
 from ember.plugin import hookspecs
+from ember.plugin.api_version import api_range_problem
 from ember.plugin.registry import Registries
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,11 @@ class EmberPluginManager(pluggy.PluginManager):
         self.registries = Registries()
 
     def register_plugin(self, plugin: object, name: str, info: PluginInfo | None = None) -> None:
-        """Register a plugin object directly (tests, embedding applications)."""
+        """Register a plugin object directly (tests, embedding applications); PluginLoadError
+        if its declared plugin API range excludes this Ember's."""
+        problem = api_range_problem(plugin, name)
+        if problem is not None:
+            raise PluginLoadError(problem)
         self.register(plugin, name=name)
         self.plugin_infos.append(info or PluginInfo(name, "<direct>", None, None, "loaded"))
         self._register_into(name)
@@ -101,8 +106,17 @@ def create_plugin_manager(
             continue
         try:
             plugin = ep.load()
+            problem = api_range_problem(plugin, ep.name)
+            if problem is not None:
+                if ep.name in required:
+                    raise PluginLoadError(problem)
+                logger.warning("%s; skipping it", problem)
+                pm.plugin_infos.append(PluginInfo(ep.name, ep.value, dist_name, dist_version, f"skipped: {problem}"))
+                continue
             pm.register(plugin, name=ep.name)
             pm._register_into(ep.name)
+        except PluginLoadError:
+            raise
         except Exception as exc:  # a broken third-party plugin must not take Ember down
             if pm.has_plugin(ep.name):
                 pm.unregister(name=ep.name)

@@ -1,5 +1,5 @@
 """Conformance check for hardware backends: does a `BaseBackend` keep the contract in
-:mod:`ember.backend`? Ember runs it against its own backends; a third party runs it
+:mod:`ember.plugin.backend`? Ember runs it against its own backends; a third party runs it
 against theirs::
 
     from ember.testing import check_backend
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ember.backend import AttentionBatch, BaseAttention, BaseBackend, SequenceSlice
+from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend, SequenceSlice
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -104,7 +104,7 @@ def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: i
 def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
     """Everything but attention numerics. Returns a constructed backend."""
     assert isinstance(backend_cls, type) and issubclass(backend_cls, BaseBackend), (
-        f"{backend_cls!r} is not a subclass of ember.backend.BaseBackend"
+        f"{backend_cls!r} is not a subclass of ember.plugin.backend.BaseBackend"
     )
     name = getattr(backend_cls, "name", None)
     assert isinstance(name, str) and name, f"{backend_cls.__name__}.name must be a non-empty string, got {name!r}"
@@ -407,7 +407,7 @@ def check_end_to_end(backend_cls: type[BaseBackend], work_dir, *, num_tokens: in
     from pathlib import Path
 
     from ember import EngineConfig, SamplingParams
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
     from ember.plugin import create_plugin_manager, hookimpl
     from ember.testing.tiny_models import make_tiny_model
 

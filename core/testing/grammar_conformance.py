@@ -1,5 +1,5 @@
 """Conformance check for grammar backends: does a :class:`BaseGrammarBackend` keep the
-contract in :mod:`ember.grammar`? Ember runs it against its built-ins; a third party
+contract in :mod:`ember.plugin.grammar`? Ember runs it against its built-ins; a third party
 runs it against theirs::
 
     from ember.testing import check_grammar_backend
@@ -32,8 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ember.grammar import (
-    BaseCompiledGrammar, BaseGrammarBackend, Constraint, ConstraintKind, GrammarContext, GrammarError,
+from ember.plugin.grammar import (
+    BaseCompiledGrammar,
+    BaseGrammarBackend,
+    Constraint,
+    ConstraintKind,
+    GrammarContext,
+    GrammarError,
     UnsupportedFeatureError,
 )
 

@@ -1,5 +1,5 @@
 """Conformance check for logits processors: does a :class:`BaseLogitsProcessor` keep the
-contract in :mod:`ember.logits_processor`? Ember runs it against its built-ins; a third
+contract in :mod:`ember.plugin.logits_processor`? Ember runs it against its built-ins; a third
 party runs it against theirs::
 
     from ember import SamplingParams
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
+from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.sampling_params import PLUGIN_FIELDS, SamplingParams
 
 VOCAB_SIZE = 64

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.models.layers import Linear
-from ember.quantization import BaseQuantizer, QuantizedLinearOp, QuantizedWeight
+from ember.plugin.quantizer import BaseQuantizer, QuantizedLinearOp, QuantizedWeight
 
 BATCH_SIZES = (1, 2, 7, 33)
 

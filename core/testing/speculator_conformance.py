@@ -1,5 +1,5 @@
 """Conformance check for speculators: does a :class:`BaseSpeculator` keep the contract
-in :mod:`ember.speculative`? Ember runs it against its own (``ngram``,
+in :mod:`ember.plugin.speculator`? Ember runs it against its own (``ngram``,
 ``draft_model``, ``medusa``, ``eagle``); a third party runs it against theirs::
 
     from ember.testing import check_speculator
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ember.speculative import BaseSpeculator, Proposal, SpecRequest
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest
 
 # prompts with repeats in them, so that a prompt-lookup speculator finds matches
 PROMPTS = [
@@ -153,7 +153,7 @@ def check_speculator(
     every batch size and acceptance rate.
     """
     from ember import EngineConfig, SamplingParams
-    from ember.engine import LLMEngine
+    from ember.engine.llm_engine import LLMEngine
     from ember.plugin import create_plugin_manager, hookimpl
     from ember.testing.tiny_models import make_tiny_model
 

@@ -1,4 +1,4 @@
-"""Conformance check for a tool-call parser (the contract: `ember.tool_parser`).
+"""Conformance check for a tool-call parser (the contract: `ember.plugin.tool_parser`).
 
     from ember.testing import check_tool_parser
     check_tool_parser(MyParser)   # AssertionError naming the first broken rule
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ember.tool_parser import BaseToolParser, ParsedMessage, assemble
+from ember.plugin.tool_parser import BaseToolParser, ParsedMessage, assemble
 
 CALLS = [
     [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}],

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ember.grammar import UnsupportedFeatureError
+from ember.plugin.grammar import UnsupportedFeatureError
 
 # Keywords that describe and constrain nothing: always accepted.
 ANNOTATIONS = frozenset({

@@ -25,13 +25,26 @@ from collections.abc import Sequence
 
 import torch
 
-from ember.grammar import (
-    BaseCompiledGrammar, BaseGrammarBackend, BaseGrammarMatcher, Constraint, ConstraintKind, GrammarContext,
-    GrammarError, UnsupportedFeatureError, allows_only, choice_regex, set_tokens,
-)
 from ember.plugin import Registry, hookimpl
+from ember.plugin.grammar import (
+    BaseCompiledGrammar,
+    BaseGrammarBackend,
+    BaseGrammarMatcher,
+    Constraint,
+    ConstraintKind,
+    GrammarContext,
+    GrammarError,
+    UnsupportedFeatureError,
+    allows_only,
+    choice_regex,
+    set_tokens,
+)
 from ember.plugins.grammar.json_schema import (
-    check_schema, exclusive_keywords, formats_as_patterns, lengths_alone, rewrite_schema,
+    check_schema,
+    exclusive_keywords,
+    formats_as_patterns,
+    lengths_alone,
+    rewrite_schema,
 )
 
 KEYWORDS = frozenset({

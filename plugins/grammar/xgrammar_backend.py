@@ -22,13 +22,26 @@ from typing import Any
 
 import torch
 
-from ember.grammar import (
-    BaseCompiledGrammar, BaseGrammarBackend, BaseGrammarMatcher, Constraint, ConstraintKind, GrammarContext,
-    GrammarError, UnsupportedFeatureError, allows_only, choice_regex, set_tokens,
-)
 from ember.plugin import Registry, hookimpl
+from ember.plugin.grammar import (
+    BaseCompiledGrammar,
+    BaseGrammarBackend,
+    BaseGrammarMatcher,
+    Constraint,
+    ConstraintKind,
+    GrammarContext,
+    GrammarError,
+    UnsupportedFeatureError,
+    allows_only,
+    choice_regex,
+    set_tokens,
+)
 from ember.plugins.grammar.json_schema import (
-    check_schema, exclusive_keywords, formats_as_patterns, lengths_alone, rewrite_schema,
+    check_schema,
+    exclusive_keywords,
+    formats_as_patterns,
+    lengths_alone,
+    rewrite_schema,
 )
 
 KEYWORDS = frozenset({
@@ -116,7 +129,7 @@ class XGrammarBackend(BaseGrammarBackend):
         import xgrammar
 
         super().__init__(context)
-        # Ember's own decoding of the vocabulary (ember.grammar_vocab), as outlines gets
+        # Ember's own decoding of the vocabulary (ember.plugin.grammar_vocab), as outlines gets
         # it: special tokens and padding ids are empty strings, which xgrammar never allows.
         info = xgrammar.TokenizerInfo(
             [data or b"" for data in context.token_bytes], xgrammar.VocabType.RAW,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ember.logits_processor import ORDER_TRUNCATE, BaseLogitsProcessor, SamplingRow
 from ember.plugin import Registry, hookimpl
+from ember.plugin.logits_processor import ORDER_TRUNCATE, BaseLogitsProcessor, SamplingRow
 from ember.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ember.plugin import hookimpl
+from ember.plugin.quantizer import BaseQuantizer
 from ember.plugins.quantizers.packing import AWQ_ORDER, grid_weight, unpack_int32
-from ember.quantization import BaseQuantizer
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

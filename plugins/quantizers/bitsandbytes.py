@@ -19,9 +19,9 @@ import json
 import torch
 
 from ember.plugin import hookimpl
+from ember.plugin.quantized_weights import Int8Weight, NF4Weight
+from ember.plugin.quantizer import BaseQuantizer
 from ember.plugins.quantizers.weight_only import quantize_int8
-from ember.quantization import BaseQuantizer
-from ember.quantized_weights import Int8Weight, NF4Weight
 
 NF4_STATE = "weight.quant_state.bitsandbytes__nf4"
 

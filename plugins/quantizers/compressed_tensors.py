@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from ember.plugin import hookimpl
+from ember.plugin.quantized_weights import FP8Weight
+from ember.plugin.quantizer import BaseQuantizer
 from ember.plugins.quantizers.packing import grid_weight, group_order, unpack_int32
-from ember.quantization import BaseQuantizer
-from ember.quantized_weights import FP8Weight
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 

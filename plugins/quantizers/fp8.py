@@ -10,8 +10,8 @@ kernel; elsewhere it is dequantized on request (``--dequantize``).
 from __future__ import annotations
 
 from ember.plugin import hookimpl
-from ember.quantization import BaseQuantizer
-from ember.quantized_weights import FP8Weight
+from ember.plugin.quantized_weights import FP8Weight
+from ember.plugin.quantizer import BaseQuantizer
 
 
 class FP8Quantizer(BaseQuantizer):

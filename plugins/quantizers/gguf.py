@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from ember.plugin import hookimpl
-from ember.quantization import BaseQuantizer, QuantizedWeight, check_parts
+from ember.plugin.quantizer import BaseQuantizer, QuantizedWeight, check_parts
 from ember.weights.gguf_loader import EMBEDDING_SOURCE, QUANT_METHOD, TYPE_SUFFIX
 from ember.weights.gguf_quants import QUANT_TYPES, quant_type
 

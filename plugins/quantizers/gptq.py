@@ -11,8 +11,8 @@ checkpoints permute it). ``w[n, k] = scales[g, n] * (q[k, n] - z[g, n])`` with
 from __future__ import annotations
 
 from ember.plugin import hookimpl
+from ember.plugin.quantizer import BaseQuantizer
 from ember.plugins.quantizers.packing import grid_weight, group_order, unpack_int32
-from ember.quantization import BaseQuantizer
 
 FORMATS = ("gptq", "gptq_v2")
 

@@ -1,11 +1,11 @@
 """Unpacking the int32 words GPTQ, AWQ and compressed-tensors store their integers in,
-and building the portable grids of ``ember.quantized_weights`` from them."""
+and building the portable grids of ``ember.plugin.quantized_weights`` from them."""
 
 from __future__ import annotations
 
 import torch
 
-from ember.quantized_weights import Int4Weight, Int8Weight, pack_nibbles
+from ember.plugin.quantized_weights import Int4Weight, Int8Weight, pack_nibbles
 
 # AWQ's GEMM kernels interleave the 8 nibbles of a word: logical column j of a group of 8
 # sits in nibble AWQ_ORDER.index(j) (AutoAWQ's AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7])

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 
 from ember.plugin import hookimpl
-from ember.quantization import BaseQuantizer
-from ember.quantized_weights import Int4Weight, Int8Weight, pack_nibbles
+from ember.plugin.quantized_weights import Int4Weight, Int8Weight, pack_nibbles
+from ember.plugin.quantizer import BaseQuantizer
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

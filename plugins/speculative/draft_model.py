@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.backend import AttentionBatch, SequenceSlice
-from ember.model_loader import load_hf_config, load_model
+from ember.models.loader import load_hf_config, load_model
+from ember.models.tokenizer import load_tokenizer
 from ember.plugin import hookimpl
-from ember.sampler import position_seed
-from ember.speculative import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
-from ember.tokenizer import load_tokenizer
+from ember.plugin.backend import AttentionBatch, SequenceSlice
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+from ember.sampling_params import position_seed
 from ember.weights import resolve_model
 
 logger = logging.getLogger(__name__)

@@ -55,11 +55,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.backend import AttentionBatch, SequenceSlice
 from ember.models.layers import Linear, RMSNorm, RotaryEmbedding, rope_parameters
 from ember.models.llama import LlamaAttention, LlamaMLP
 from ember.plugin import hookimpl
-from ember.speculative import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+from ember.plugin.backend import AttentionBatch, SequenceSlice
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.plugin import hookimpl
-from ember.speculative import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 
 logger = logging.getLogger(__name__)
 

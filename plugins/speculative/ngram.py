@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.plugin import hookimpl
-from ember.speculative import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from ember.plugin import Registry, hookimpl
-from ember.tool_parser import JsonToolCallParser
+from ember.plugin.tool_parser import JsonToolCallParser
 
 
 class HermesToolParser(JsonToolCallParser):

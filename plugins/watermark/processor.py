@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
+from ember.plugin.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.sampling_params import SamplingParams
 
 from .detector import Detector

@@ -17,6 +17,10 @@ import torch.nn.functional as F
 from ember.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.plugin import hookimpl
 
+# the Ember plugin API versions this backend was written for (docs/plugins.md); Ember
+# refuses to load it under a version outside the range
+EMBER_PLUGIN_API = ">=1.0,<2"
+
 
 class TemplateAttention(BaseAttention):
     """Paged attention with PyTorch ops: write the step's K/V at their slots, then for

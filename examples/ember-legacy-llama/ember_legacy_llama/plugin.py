@@ -17,6 +17,10 @@ from ember.models.llama import LlamaForCausalLM
 from ember.plugin import Registry, hookimpl
 from ember_legacy_llama.ban_digits import BanDigits
 
+# the Ember plugin API versions this plugin was written for (docs/plugins.md); Ember
+# refuses to load it under a version outside the range
+EMBER_PLUGIN_API = ">=1.0,<2"
+
 LEGACY_ARCHITECTURES = ("LLaMAForCausalLM",)
 
 

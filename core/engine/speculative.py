@@ -1,0 +1,164 @@
+"""The engine's side of speculative decoding (docs/speculative.md): which decoding
+requests get drafts each step, the speculator's proposals for them, and what the
+step's verification says back (acceptance rates, pauses, the heuristic schedule).
+The speculator contract it drives is `ember.plugin.speculator`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.config import SpeculativeConfig
+from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since start-up (vLLM's spec_decode metrics)."""
+
+    method: str
+    num_steps: int = 0  # steps that verified at least one draft
+    num_proposals: int = 0  # (request, step) pairs with drafts
+    num_draft_tokens: int = 0  # proposed and verified
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted plus the bonus token of each proposal
+    accepted_by_position: list[int] = field(default_factory=list)  # accepted at draft position j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification of a request's drafts (1 + accepted)."""
+        return self.num_emitted_tokens / self.num_proposals if self.num_proposals else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method, "num_steps": self.num_steps, "num_proposals": self.num_proposals,
+            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens, "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_by_position": list(self.accepted_by_position),
+        }
+
+
+@dataclass(slots=True)
+class _RequestState:
+    rate: float = 1.0  # exponential average of the acceptance rate of its drafts
+    skip_until: int = 0  # the step from which it is offered drafts again
+    num_drafts: int = 0  # drafts offered per step under the heuristic schedule (0: not yet set)
+
+
+class SpeculativeDecoder:
+    """The engine's side: which requests get drafts this step, the speculator's
+    proposals for them, and what the step's verification says back."""
+
+    def __init__(self, speculator: BaseSpeculator, config: SpeculativeConfig) -> None:
+        self.speculator = speculator
+        self.config = config
+        self.stats = SpeculationStats(config.method, accepted_by_position=[0] * config.max_drafts)
+        self._state: dict[str, _RequestState] = {}
+        self._step = 0
+        self.last_proposals: dict[str, Proposal] = {}
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        return self.speculator.uses_hidden_states
+
+    @property
+    def uses_all_hidden_states(self) -> bool:
+        return self.speculator.uses_all_hidden_states
+
+    def propose(self, requests: list[SpecRequest], num_running: int) -> dict[str, Proposal]:
+        """Proposals by request id for the requests offered drafts this step (each
+        truncated to its ``max_drafts``); none when ``num_running`` reaches
+        ``disable_by_batch_size``."""
+        self._step += 1
+        self.last_proposals = {}
+        limit = self.config.disable_by_batch_size
+        if not requests or (limit is not None and num_running >= limit):
+            return self.last_proposals
+        offered = []
+        for request in requests:
+            state = self._state.get(request.request_id)
+            if state is not None and state.skip_until > self._step:
+                continue
+            offer = state.num_drafts if state is not None and state.num_drafts else self.config.num_speculative_tokens
+            request.max_drafts = min(request.max_drafts, offer)
+            if request.max_drafts > 0:
+                offered.append(request)
+        if not offered:
+            return self.last_proposals
+        proposals = self.speculator.propose(offered)
+        if len(proposals) != len(offered):
+            raise RuntimeError(
+                f"speculator {self.speculator.name!r} returned {len(proposals)} proposals for {len(offered)} requests"
+            )
+        vocab = self.speculator.context.vocab_size
+        for request, proposal in zip(offered, proposals):
+            ids = proposal.token_ids[: request.max_drafts]
+            if not ids:
+                continue
+            if any(not 0 <= t < vocab for t in ids):
+                raise RuntimeError(f"speculator {self.speculator.name!r} proposed a token outside [0, {vocab}): {ids}")
+            probs = proposal.probs
+            if probs is not None:
+                if probs.dim() != 2 or probs.shape[0] < len(ids) or probs.shape[1] < vocab:
+                    raise RuntimeError(
+                        f"speculator {self.speculator.name!r}: probs of shape {tuple(probs.shape)} for {len(ids)} "
+                        f"drafts over a vocabulary of {vocab}"
+                    )
+                probs = probs[: len(ids)]
+            self.last_proposals[request.request_id] = Proposal(ids, probs)
+        return self.last_proposals
+
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """What the step made of a request's drafts (``num_proposed`` verified)."""
+        if not num_proposed:
+            return
+        stats = self.stats
+        stats.num_proposals += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        stats.num_emitted_tokens += num_accepted + 1
+        for j in range(num_accepted):
+            stats.accepted_by_position[j] += 1
+        state = self._state.setdefault(request_id, _RequestState())
+        if self.config.draft_length_schedule == "heuristic":
+            offered = state.num_drafts or self.config.num_speculative_tokens
+            # a proposal shorter than its offer (the lookup ran out) says nothing of the length
+            if num_accepted == num_proposed:
+                state.num_drafts = min(self.config.max_drafts, offered + 2) if num_proposed == offered else offered
+            else:
+                state.num_drafts = max(1, offered - 1)
+        weight = min(1.0, num_proposed / self.config.acceptance_window)
+        state.rate += weight * (num_accepted / num_proposed - state.rate)
+        if state.rate < self.config.min_acceptance_rate:
+            state.skip_until = self._step + 1 + self.config.backoff_steps
+            state.rate = self.config.min_acceptance_rate  # one more chance after the pause
+        self.speculator.observe(request_id, num_proposed, num_accepted)
+
+    def step_done(self, any_verified: bool) -> None:
+        if any_verified:
+            self.stats.num_steps += 1
+
+    def release(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+        self.speculator.release(request_id)
+
+
+def create_speculator(registry, config: SpeculativeConfig, context: SpeculatorContext) -> SpeculativeDecoder:
+    """The decoder for ``config.method`` from the ``speculators`` registry."""
+    if config.method not in registry.names():
+        raise ValueError(
+            f"unknown speculative method {config.method!r}; registered: {', '.join(registry.names()) or '(none)'}"
+        )
+    speculator = registry.get(config.method)(context)
+    logger.info("speculative decoding: %s, up to %d draft tokens per step%s", config.method,
+                config.num_speculative_tokens,
+                f", off from {config.disable_by_batch_size} running requests" if config.disable_by_batch_size else "")
+    return SpeculativeDecoder(speculator, config)
