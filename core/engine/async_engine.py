@@ -4,7 +4,7 @@
 (`ember.engine.input_processor`, in the caller's thread) and the output processor
 (detokenization, stop strings, n/best_of) — and runs the engine core either in a
 thread of this process (``AsyncLLMEngine(engine)``) or in a process of its own
-(``AsyncLLMEngine.with_engine_process(config)``, `ember.engine.core.EngineCoreProcess`). Either way
+(``AsyncLLMEngine.with_engine_process(config)``, `ember.engine.core_process.EngineCoreProcess`). Either way
 only values cross to the core (`EngineCoreRequest`, abort ids) and back
 (`EngineCoreOutputs`), and the event loop (HTTP) never waits on a forward pass.
 Outputs reach each request through its own asyncio queue. A failing step fails the
@@ -141,7 +141,7 @@ class AsyncLLMEngine(EngineClient):
         """Start the engine core in its own process (loading the model there) and
         return the client for it. Plugins load from the ``ember`` entry points in both
         processes; ``plugin_manager`` (else one made from ``config``) serves this side."""
-        from ember.engine.core import EngineCoreProcess
+        from ember.engine.core_process import EngineCoreProcess
 
         pm = plugin_manager or create_plugin_manager(disabled=config.disabled_plugins, required=config.required_plugins)
         process = EngineCoreProcess(config)

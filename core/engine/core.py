@@ -1,21 +1,9 @@
 """The engine core: the model, the KV cache, the scheduler and the runner behind one
 step. Everything that crosses its boundary is a plain value — `EngineCoreRequest` in,
 `EngineCoreOutputs` out — so the core runs in the caller's thread (`LLMEngine`), in
-a thread beside an event loop or in a process of its own (`ember.engine.async_engine`).
-Tokenizing, validation and detokenization happen outside it, once.
-
-In a process of its own (:class:`EngineCoreProcess`, `ember serve --engine-mode
-process`; started with ``spawn``, since a forked copy of a process running torch
-threads can deadlock) the core loads plugins from the ``ember`` entry points itself
-and talks over a `multiprocessing` pipe, everything pickled by
-`multiprocessing.connection` (no protocol of our own); it exits when the parent
-closes the pipe or dies:
-
-* parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``, ``("shutdown",)``;
-* core -> parent: ``("ready", ModelInfo)`` or ``("failed", exception)`` once at start,
-  then ``("outputs", EngineCoreOutputs)`` per step, ``("stats", EngineStats)`` when it
-  goes idle, ``("add_failed", request_id, message)`` for a request the core refused,
-  ``("step_failed", message, ids)`` when a step raised (its requests are aborted).
+a thread beside an event loop or in a process of its own
+(`ember.engine.core_process.EngineCoreProcess`). Tokenizing, validation and
+detokenization happen outside it, once.
 """
 
 from __future__ import annotations
@@ -23,18 +11,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import multiprocessing
-import pickle
-import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
 
 import torch
 
 from ember.config import EngineConfig, SchedulerConfig
-from ember.engine.client import EngineFatalError, EngineStats, ModelInfo
+from ember.engine.client import EngineStats, ModelInfo
 from ember.engine.grammar_manager import GrammarManager
 from ember.engine.output_processor import EngineCoreOutput
 from ember.engine.parallel_sampling import child_id, child_params
@@ -49,7 +32,7 @@ from ember.plugin.grammar import BaseCompiledGrammar, GrammarContext
 from ember.plugin.logits_processor import LogitsPipeline, LogitsProcessorContext
 from ember.plugin.manager import EmberPluginManager
 from ember.plugin.quantizer import select_quantizer
-from ember.plugin.speculator import SpecRequest, SpeculatorContext
+from ember.plugin.speculator import SpeculatorContext
 from ember.sampling_params import SamplingParams
 from ember.sched.kv_cache_manager import KVCacheManager
 from ember.sched.scheduler import Request, RequestStatus, Scheduler, record_step
@@ -402,15 +385,16 @@ class EngineCore:
         started_at = time.perf_counter()
         outputs: list[EngineCoreOutput] = self._admit_compiled() if self.grammar.waiting else []
         if self.speculator is not None:
-            self._propose_drafts()
+            self.speculator.propose_for(self.scheduler.running, self.max_model_len, self.runner.last_hidden)
         scheduler_output = self.scheduler.schedule()
         if self.token_masker is not None or self.grammar.matchers:
             scheduler_output = self._add_masks(scheduler_output)
         if self.speculator is not None and scheduler_output.draft_token_ids:
-            scheduler_output = self._add_draft_probs(scheduler_output)
+            scheduler_output = self.speculator.with_draft_probs(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
         if self.speculator is not None:
-            self._observe_drafts(scheduler_output, runner_output)
+            self.speculator.observe_step(scheduler_output, runner_output,
+                                         self.runner.step_hidden if self.runner.collect_all_hidden else ())
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         grammar_errors = self._advance_grammars(updates) if self.grammar.matchers else None
         self.last_step_stats = record_step(self.scheduler.last_scheduled, updates, started_at)
@@ -443,54 +427,6 @@ class EngineCore:
         sent = request.num_prompt_logprobs_sent
         request.num_prompt_logprobs_sent = len(request.prompt_logprobs)
         return request.prompt_logprobs[sent:]
-
-    def _propose_drafts(self) -> None:
-        """Ask the speculator for the decoding requests' drafts; the scheduler trims
-        them to what fits the step (budget, context, max_tokens)."""
-        running = self.scheduler.running
-        limit = self.speculator.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:  # a batch this large verifies no drafts
-            for request in running:
-                request.draft_token_ids = []
-            self.speculator.propose([], len(running))
-            return
-        hidden = self.runner.last_hidden if self.speculator.uses_hidden_states else None
-        candidates = [
-            SpecRequest(
-                r.request_id, r.prompt_token_ids, r.output_token_ids,
-                min(self.max_model_len - r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens - 1),
-                r.sampling_params.temperature, hidden.get(r.request_id) if hidden else None,
-                r.sampling_params.seed,
-            )
-            for r in running
-            if r.num_computed_tokens == r.num_tokens - 1  # decoding
-        ]
-        proposals = self.speculator.propose(candidates, len(running))
-        for request in running:
-            proposal = proposals.get(request.request_id)
-            request.draft_token_ids = list(proposal.token_ids) if proposal is not None else []
-
-    def _add_draft_probs(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """The distributions sampled drafts were drawn from, for the runner's
-        rejection sampling (deterministic proposals have none)."""
-        proposals = self.speculator.last_proposals
-        probs = {
-            request_id: proposals[request_id].probs[: len(drafts)]
-            for request_id, drafts in scheduler_output.draft_token_ids.items()
-            if request_id in proposals and proposals[request_id].probs is not None
-        }
-        return replace(scheduler_output, draft_probs=probs) if probs else scheduler_output
-
-    def _observe_drafts(self, scheduler_output: SchedulerOutput, runner_output) -> None:
-        for request_id, start, hidden in self.runner.step_hidden if self.runner.collect_all_hidden else ():
-            self.speculator.speculator.observe_hidden(request_id, start, hidden)
-        drafts = scheduler_output.draft_token_ids
-        if drafts and runner_output.num_accepted:
-            for request_id, accepted in zip(runner_output.request_ids, runner_output.num_accepted):
-                proposed = len(drafts.get(request_id, ()))
-                if proposed:
-                    self.speculator.observe(request_id, proposed, accepted)
-        self.speculator.step_done(bool(drafts))
 
     def _add_masks(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         masks: dict[str, torch.Tensor] = self.grammar.masks(scheduler_output) if self.grammar.matchers else {}
@@ -549,130 +485,3 @@ class EngineCore:
             finish_reason=request.finish_reason,
             num_output_tokens=request.num_output_tokens,
         )
-
-
-def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s",
-                        datefmt="%H:%M:%S")
-    try:
-        core = EngineCore(config)
-    except Exception as exc:
-        try:  # the exception itself when it round-trips (the CLI turns some into messages)
-            pickle.loads(pickle.dumps(exc))
-        except Exception:
-            exc = (ValueError if isinstance(exc, ValueError) else RuntimeError)(f"{type(exc).__name__}: {exc}")
-        conn.send(("failed", exc))
-        return
-    conn.send(("ready", core.model_info()))
-    try:
-        with torch.inference_mode():  # for good in this process: no tensor here needs autograd
-            _serve(core, conn)
-    except EngineFatalError as exc:  # a parallel worker died: report it, stop the workers, exit non-zero
-        logger.error("engine stops: %s", exc)
-        try:
-            conn.send(("fatal", str(exc), list(core.scheduler.requests)))
-        except OSError:
-            pass
-        core.close()
-        sys.exit(1)
-    core.close()
-
-
-def _serve(core: EngineCore, conn: Connection) -> None:
-    while True:
-        # Block for a command when idle; between steps take whatever has arrived.
-        while not core.has_unfinished_requests() or conn.poll(0):
-            if not core.has_unfinished_requests() and not conn.poll(0):
-                conn.send(("stats", core.stats()))  # idle now: the counts after the last aborts
-            while core.parallel is not None and not conn.poll(0.5):  # idle: watch the parallel workers
-                if core.fatal_error is not None:
-                    raise EngineFatalError(core.fatal_error)
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                return  # the parent is gone
-            kind = message[0]
-            if kind == "shutdown":
-                return
-            if kind == "add":
-                try:
-                    core.add_request(message[1])
-                except ValueError as exc:
-                    conn.send(("add_failed", message[1].request_id, str(exc)))
-            elif kind == "abort":
-                core.abort_requests(message[1], message[2])
-        try:
-            outputs = core.step()
-        except EngineFatalError:
-            raise
-        except Exception as exc:
-            logger.exception("engine step failed; aborting the requests in flight")
-            ids = list(core.scheduler.requests)
-            core.abort_all()
-            conn.send(("step_failed", repr(exc), ids))
-            continue
-        conn.send(("outputs", outputs))
-
-
-class EngineCoreProcess:
-    """The parent's handle on the engine-core process."""
-
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        # the event loop (new requests, aborts) and the reader thread (stop strings)
-        # both send: one message at a time on the pipe
-        self._send_lock = threading.Lock()
-        level = logging.getLogger().getEffectiveLevel()
-        # a daemonic process may not start processes: one with parallel workers is not
-        # daemonic (it still exits when this process closes the pipe or dies)
-        is_parallel = config.tensor_parallel_size * config.pipeline_parallel_size > 1
-        self.process = ctx.Process(
-            target=_core_main, args=(config, child_conn, level), name="ember-engine-core", daemon=not is_parallel
-        )
-        self.process.start()
-        child_conn.close()
-        if not self.conn.poll(startup_timeout):
-            self.close()
-            raise RuntimeError(f"the engine-core process did not start within {startup_timeout:.0f} s")
-        try:
-            message = self.conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RuntimeError(f"the engine-core process exited at start (exit code {self.process.exitcode})") from None
-        if message[0] == "failed":
-            self.process.join(5)
-            raise message[1]
-        self.model_info: ModelInfo = message[1]
-        logger.info("engine core runs in process %d", self.process.pid)
-
-    def add(self, request) -> None:
-        with self._send_lock:
-            self.conn.send(("add", request))
-
-    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        with self._send_lock:
-            self.conn.send(("abort", list(request_ids), status))
-
-    def recv(self, timeout: float) -> tuple | None:
-        """The next message from the core, or None after ``timeout`` seconds.
-        EOFError when the core is gone."""
-        if not self.conn.poll(timeout):
-            return None
-        return self.conn.recv()
-
-    @property
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
-
-    def close(self, timeout: float = 10.0) -> None:
-        try:
-            with self._send_lock:
-                self.conn.send(("shutdown",))
-        except (OSError, ValueError):
-            pass
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self.conn.close()

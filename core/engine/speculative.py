@@ -6,11 +6,12 @@ The speculator contract it drives is `ember.plugin.speculator`."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ember.config import SpeculativeConfig
 from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
+from ember.sched.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,58 @@ class SpeculativeDecoder:
     def step_done(self, any_verified: bool) -> None:
         if any_verified:
             self.stats.num_steps += 1
+
+    def propose_for(self, running: list, max_model_len: int, last_hidden: dict | None) -> None:
+        """Set the running requests' drafts (``request.draft_token_ids``) from the
+        speculator's proposals for those decoding; the scheduler trims them to what
+        fits the step (budget, context, max_tokens). ``running``: the scheduler's
+        requests; ``last_hidden``: the runner's hidden states by request id."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:  # a batch this large verifies no drafts
+            for request in running:
+                request.draft_token_ids = []
+            self.propose([], len(running))
+            return
+        hidden = last_hidden if self.uses_hidden_states else None
+        candidates = [
+            SpecRequest(
+                r.request_id, r.prompt_token_ids, r.output_token_ids,
+                min(max_model_len - r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens - 1),
+                r.sampling_params.temperature, hidden.get(r.request_id) if hidden else None,
+                r.sampling_params.seed,
+            )
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1  # decoding
+        ]
+        proposals = self.propose(candidates, len(running))
+        for request in running:
+            proposal = proposals.get(request.request_id)
+            request.draft_token_ids = list(proposal.token_ids) if proposal is not None else []
+
+    def with_draft_probs(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step with the distributions its sampled drafts were drawn from, for the
+        runner's rejection sampling (deterministic proposals have none)."""
+        proposals = self.last_proposals
+        probs = {
+            request_id: proposals[request_id].probs[: len(drafts)]
+            for request_id, drafts in scheduler_output.draft_token_ids.items()
+            if request_id in proposals and proposals[request_id].probs is not None
+        }
+        return replace(scheduler_output, draft_probs=probs) if probs else scheduler_output
+
+    def observe_step(self, scheduler_output: SchedulerOutput, runner_output, step_hidden) -> None:
+        """What the step's verification accepted, per request; ``step_hidden``: the
+        runner's ``(request_id, start, hidden)`` of every computed position, for a
+        speculator that learns from them."""
+        for request_id, start, hidden in step_hidden:
+            self.speculator.observe_hidden(request_id, start, hidden)
+        drafts = scheduler_output.draft_token_ids
+        if drafts and runner_output.num_accepted:
+            for request_id, accepted in zip(runner_output.request_ids, runner_output.num_accepted):
+                proposed = len(drafts.get(request_id, ()))
+                if proposed:
+                    self.observe(request_id, proposed, accepted)
+        self.step_done(bool(drafts))
 
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
