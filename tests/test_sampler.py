@@ -15,15 +15,10 @@ import torch
 from transformers.generation import logits_process as hf
 
 from ember import SamplingParams
-from ember.plugin.logits_processor import (
-    ORDER_ADJUST,
-    BaseLogitsProcessor,
-    LogitsPipeline,
-    LogitsProcessorContext,
-    SamplingRow,
-)
+from ember.plugin.logits_processor import ORDER_ADJUST, BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
 from ember.plugins.logits.typical import TypicalP
 from ember.worker import sampler as sampler_module
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.sampler import Sampler, position_seed
 
 VOCAB = 64

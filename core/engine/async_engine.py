@@ -38,7 +38,8 @@ from ember.engine.output_processor import OutputKind, OutputProcessor
 from ember.models.tokenizer import load_tokenizer
 from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager
-from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsPipeline, LogitsProcessorContext
+from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.sampling_params import SamplingParams
 from ember.sched.scheduler import RequestStatus
 from ember.sched.step import StepStats

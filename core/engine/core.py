@@ -29,7 +29,8 @@ from ember.parallel import ParallelExecutor, start_parallel
 from ember.plugin import create_plugin_manager
 from ember.plugin.backend import select_backend
 from ember.plugin.grammar import BaseCompiledGrammar, GrammarContext
-from ember.plugin.logits_processor import LogitsPipeline, LogitsProcessorContext
+from ember.plugin.logits_processor import LogitsProcessorContext
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.plugin.manager import EmberPluginManager
 from ember.plugin.quantizer import select_quantizer
 from ember.plugin.speculator import SpeculatorContext

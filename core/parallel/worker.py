@@ -45,7 +45,8 @@ from ember.models.parallel.state import (
 from ember.models.tokenizer import eos_token_ids, load_tokenizer
 from ember.plugin import create_plugin_manager
 from ember.plugin.backend import select_backend
-from ember.plugin.logits_processor import LogitsPipeline, LogitsProcessorContext
+from ember.plugin.logits_processor import LogitsProcessorContext
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.kv_sizing import profile_kv_budget
 from ember.worker.model_runner import ModelRunner
 

@@ -27,7 +27,8 @@ import torch
 from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.models.base import BaseCausalLM
 from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend
-from ember.plugin.logits_processor import LogitsPipeline, SamplingRow
+from ember.plugin.logits_processor import SamplingRow
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.sampling_params import SamplingParams
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 from ember.worker.graphs import DecodeGraphs

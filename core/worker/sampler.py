@@ -2,7 +2,7 @@
 
 Core does the standard controls itself, as tensor operations over the rows that use
 each one (an operation no row uses does not run), in transformers' `generate` order,
-with the plugins' processors (:class:`ember.plugin.logits_processor.LogitsPipeline`) run
+with the plugins' processors (:class:`ember.worker.logits_pipeline.LogitsPipeline`) run
 between its steps by their ``order``:
 
 1. adjustments, greedy rows included: ``logit_bias``, repetition penalty
@@ -25,7 +25,8 @@ from itertools import chain
 
 import torch
 
-from ember.plugin.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, LogitsPipeline, SamplingRow
+from ember.plugin.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, SamplingRow
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.sampling_params import SamplingParams, position_seed
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
