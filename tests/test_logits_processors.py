@@ -19,9 +19,9 @@ import ember
 from ember import SamplingParams
 from ember.plugin import create_plugin_manager
 from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorContext, SamplingRow
-from ember.worker.logits_pipeline import LogitsPipeline
 from ember.plugins.logits.typical import TypicalP
 from ember.testing import check_logits_processor
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.sampler import Sampler
 
 VOCAB = 64

@@ -30,7 +30,6 @@ from ember.plugin import create_plugin_manager
 from ember.plugin.backend import select_backend
 from ember.plugin.grammar import BaseCompiledGrammar, GrammarContext
 from ember.plugin.logits_processor import LogitsProcessorContext
-from ember.worker.logits_pipeline import LogitsPipeline
 from ember.plugin.manager import EmberPluginManager
 from ember.plugin.quantizer import select_quantizer
 from ember.plugin.speculator import SpeculatorContext
@@ -47,6 +46,7 @@ from ember.worker.kv_sizing import (
     resolve_block_size,
     resolve_max_model_len,
 )
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class EngineCore:
             disabled=config.disabled_plugins, required=config.required_plugins
         )
         self.plugin_manager.hook.ember_configure(config=config)
-        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend)
+        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend,
+                                      dict(config.backend_options))
         self.num_threads = self.backend.configure_threads(config.num_threads)
 
         # tensor/pipeline parallelism shards float weights only: a GGUF file (the default

@@ -46,8 +46,8 @@ from ember.models.tokenizer import eos_token_ids, load_tokenizer
 from ember.plugin import create_plugin_manager
 from ember.plugin.backend import select_backend
 from ember.plugin.logits_processor import LogitsProcessorContext
-from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.kv_sizing import profile_kv_budget
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class WorkerArgs:
     num_threads: int | None = None
     log_level: int = logging.INFO
     parent_pid: int | None = None  # exit when this process is gone (spawned workers)
-    # this rank's device on its machine (a device backend's EMBER_DEVICE_INDEX); None: unchanged
+    # this rank's device on its machine (a device backend's option device_index); None: the config's
     local_rank: int | None = None
 
 
@@ -104,7 +104,8 @@ class RankState:
             disabled=config.disabled_plugins, required=config.required_plugins,
             extra_plugins=[(name, import_plugin(ref)) for name, ref in args.direct_plugins],
         )
-        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend)
+        self.backend = select_backend(self.plugin_manager.registries.backends, config.backend,
+                                      dict(config.backend_options), device_index=args.local_rank)
         self.num_threads = self.backend.configure_threads(args.num_threads)
         self.model_dir = args.model_dir
         self.hf_config = load_hf_config(args.model_dir)
@@ -227,8 +228,6 @@ def worker_main(args: WorkerArgs) -> None:
     """Entry point of a rank > 0 (spawned by the driver, or started by torchrun)."""
     logging.basicConfig(level=args.log_level, datefmt="%H:%M:%S",
                         format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: %(message)s")
-    if args.local_rank is not None:  # before the backend exists: it reads its device index from here
-        os.environ["EMBER_DEVICE_INDEX"] = str(args.local_rank)
     if args.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True, name="ember-parent").start()
     try:

@@ -14,7 +14,6 @@ from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorCo
 from ember.plugin.registry import Registry
 from ember.sampling_params import SamplingParams
 
-
 # The pipeline. Core's :class:`ember.worker.sampler.Sampler` does the standard controls itself
 # and calls :meth:`LogitsPipeline.apply` once per band of ``order`` between its own
 # steps: core adjustments, processors with ``order < ORDER_TEMPERATURE``, temperature,

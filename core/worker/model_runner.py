@@ -1,9 +1,9 @@
 """Run one scheduled step: update the persistent batch from the step's deltas, gather
 the flat batch, forward, mask, sample and verify drafts.
 
-The runner shares no mutable state with the scheduler: it reads an
-`ember.sched.step.SchedulerOutput` and returns an `ember.sched.step.ModelRunnerOutput`, keeping
-its own copy of every request in an :class:`InputBatch`.
+The runner shares no mutable state with the scheduler: it reads a `SchedulerOutput`
+and returns a `ModelRunnerOutput` (``ember.sched.step``), keeping its own copy of every
+request in an :class:`InputBatch`.
 
 The persistent batch. The scheduler sends a request in full once
 (`ember.sched.step.NewRequest`) and deltas afterwards; :class:`InputBatch` keeps what the
@@ -28,10 +28,10 @@ from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.models.base import BaseCausalLM
 from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.plugin.logits_processor import SamplingRow
-from ember.worker.logits_pipeline import LogitsPipeline
 from ember.sampling_params import SamplingParams
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 from ember.worker.graphs import DecodeGraphs
+from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.sampler import Sampler
 
 
@@ -49,8 +49,7 @@ class RunnerRequest:
     num_blocks: int = 0
     # its block ids as a list too: a decode row's cache slot in O(1) Python
     block_ids: list[int] = field(default_factory=list)
-    # tokens copied into the batch's token array so far (decode steps read the
-    # lists; the array catches up only when a multi-token step needs it)
+    # tokens copied into the batch's token array so far (decode steps read the lists)
     num_written: int = 0
     # tokens proposed for this step (written after the request's tokens)
     draft_token_ids: list[int] = field(default_factory=list)
@@ -257,15 +256,16 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.backend = backend
+        self.device = backend.device  # read once: a property on some backends
         self.attention = attention
         self.block_size = block_size
         spec = model.kv_cache_spec
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=backend.device)
+            torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(spec.num_layers)
         ]
         max_model_len = max_model_len or num_blocks * block_size
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, backend.device)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.device)
         self.logits_pipeline = logits_pipeline or LogitsPipeline([])
         self.sampler = Sampler(vocab_size, seed, greedy_op=backend.greedy_op(), pipeline=self.logits_pipeline)
         self._inference_mode = torch.inference_mode()  # not re-entered: execute checks first
@@ -289,7 +289,7 @@ class ModelRunner:
         with self._inference_mode:
             graphs = DecodeGraphs(
                 self.model, self.attention, self.kv_caches, capture, sizes or [1], self.batch.block_table.shape[1],
-                self.block_size, self.backend.device,
+                self.block_size, self.device,
             )
         self.graphs = None if graphs.is_empty else graphs  # every size refused: eager steps
         return graphs
@@ -324,7 +324,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
         batch = self.batch
-        device = self.backend.device
+        device = self.device
         drafts = scheduler_output.draft_token_ids
         requests: list[RunnerRequest] = []
         query_lens: list[int] = []
@@ -391,7 +391,7 @@ class ModelRunner:
             sampled = self.sampler(logits, rows)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
             if any(row.params.logprobs is not None for row in rows):
-                top = self._top_logprobs(sampled.processed, rows, token_ids)
+                top = self.sampler.top_logprobs(sampled.processed, rows, token_ids)
         out_ids: list[list[int]] = []
         out_lps: list[list[float]] = []
         out_top: list[list[PositionLogprobs]] | None = None if top is None else []
@@ -410,8 +410,8 @@ class ModelRunner:
             draft_probs = scheduler_output.draft_probs.get(request.request_id) if scheduler_output.draft_probs else None
             if draft_probs is not None and not request.params.is_greedy:
                 # drafts sampled from q: rejection sampling against the target's p
-                accepted, ids, lps = self._verify_sampled_drafts(
-                    request, draft_probs, sampled.processed[first : first + num_positions],
+                accepted, ids, lps = self.sampler.verify_drafts(
+                    request.draft_token_ids, draft_probs, sampled.processed[first : first + num_positions],
                     rows[first : first + num_positions], ids, lps,
                 )
             elif request.draft_token_ids:
@@ -463,46 +463,6 @@ class ModelRunner:
             )
             first += num_tokens
 
-    def _verify_sampled_drafts(
-        self, request: RunnerRequest, draft_probs: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
-        ids: list[int], lps: list[float],
-    ) -> tuple[int, list[int], list[float]]:
-        """Rejection sampling (Leviathan et al., Chen et al.): draft ``d_j`` drawn from
-        ``q_j`` is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first
-        rejected position draws from ``max(0, p_j - q_j)`` normalised; when every
-        draft is kept, the target's own draw at the last position (``ids[-1]``)
-        follows. ``processed``: the target's processed logits at the request's
-        positions, ``rows`` its sampling rows there. A seeded request's test at a
-        position and its residual draw come from generators keyed by that position
-        (``Sampler.generator``), so they do not depend on how many drafts the step
-        verified. Returns (accepted, emitted ids, their log-probabilities under p)."""
-        drafts = request.draft_token_ids
-        k = len(drafts)
-        logp = torch.log_softmax(processed.float(), dim=-1)
-        p = logp.exp()
-        q = draft_probs.to(p.device, torch.float32)
-        index = torch.arange(k, device=p.device)
-        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=p.device)
-        p_d, q_d = p[index, draft_ids], q[index, draft_ids]
-        if rows[0].params.seed is not None:
-            uniform = torch.cat([torch.rand(1, generator=self.sampler.generator(rows[j], p.device, stream=1),
-                                            device=p.device) for j in range(k)])
-        else:
-            uniform = torch.rand(k, generator=self.sampler.generator(rows[0], p.device), device=p.device)
-        keep = (uniform * q_d <= p_d).tolist()  # u < p/q, without dividing by a zero q
-        accepted = next((j for j, kept in enumerate(keep) if not kept), k)
-        if accepted == k:
-            return k, list(drafts) + ids[k : k + 1], logp[index, draft_ids].tolist() + lps[k : k + 1]
-        residual = (p[accepted] - q[accepted]).clamp_min_(0)
-        total = residual.sum()
-        if not total > 0:  # p <= q everywhere only when p == q: then nothing is rejected; guard rounding
-            residual, total = p[accepted], p[accepted].sum()
-        token = int(torch.multinomial(residual / total, 1,
-                                      generator=self.sampler.generator(rows[accepted], p.device, stream=2)))
-        emitted = list(drafts[:accepted]) + [token]
-        return accepted, emitted, logp[torch.arange(accepted + 1, device=p.device),
-                                       torch.tensor(emitted, device=p.device)].tolist()
-
     @staticmethod
     def _apply_masks(
         logits: torch.Tensor, scheduler_output: SchedulerOutput, requests: list[RunnerRequest],
@@ -522,23 +482,6 @@ class ModelRunner:
                     f"{logits.shape[-1]}), got {mask.dtype} {tuple(mask.shape)}"
                 )
             logits[first : first + num_positions].masked_fill_(~mask[:num_positions].to(logits.device), float("-inf"))
-
-    @staticmethod
-    def _top_logprobs(
-        processed: torch.Tensor, sampling: list[SamplingRow], token_ids: list[int]
-    ) -> list[PositionLogprobs | None]:
-        """Rank and top-N of the sampled tokens, for the rows that ask only."""
-        asking = [i for i, row in enumerate(sampling) if row.params.logprobs is not None]
-        out: list[PositionLogprobs | None] = [None] * len(sampling)
-        if asking:
-            index = torch.tensor(asking, dtype=torch.int64, device=processed.device)
-            entries = compute_position_logprobs(
-                processed.index_select(0, index).float().cpu(), [token_ids[i] for i in asking],
-                [sampling[i].params.logprobs for i in asking],
-            )
-            for i, entry in zip(asking, entries):
-                out[i] = entry
-        return out
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, request: RunnerRequest, first_row: int, num_rows: int, chunk: int = 512

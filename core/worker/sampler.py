@@ -25,9 +25,10 @@ from itertools import chain
 
 import torch
 
+from ember.logprobs import PositionLogprobs, compute_position_logprobs
 from ember.plugin.logits_processor import ORDER_TEMPERATURE, ORDER_TRUNCATE, SamplingRow
-from ember.worker.logits_pipeline import LogitsPipeline
 from ember.sampling_params import SamplingParams, position_seed
+from ember.worker.logits_pipeline import LogitsPipeline
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
 
@@ -197,6 +198,62 @@ class Sampler:
         for j in seeded:
             noise[j].exponential_(generator=self._request_generator(rows[j], device))
         return noise.clamp_min_(_MIN_NOISE)
+
+    def verify_drafts(
+        self, drafts: list[int], draft_probs: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
+        ids: list[int], lps: list[float],
+    ) -> tuple[int, list[int], list[float]]:
+        """Rejection sampling (Leviathan et al., Chen et al.): draft ``d_j`` drawn from
+        ``q_j`` is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first
+        rejected position draws from ``max(0, p_j - q_j)`` normalised; when every
+        draft is kept, the target's own draw at the last position (``ids[-1]``)
+        follows. ``processed``: the target's processed logits at the request's
+        positions, ``rows`` its sampling rows there. A seeded request's test at a
+        position and its residual draw come from generators keyed by that position
+        (`generator`), so they do not depend on how many drafts the step
+        verified. Returns (accepted, emitted ids, their log-probabilities under p)."""
+        k = len(drafts)
+        logp = torch.log_softmax(processed.float(), dim=-1)
+        p = logp.exp()
+        q = draft_probs.to(p.device, torch.float32)
+        index = torch.arange(k, device=p.device)
+        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=p.device)
+        p_d, q_d = p[index, draft_ids], q[index, draft_ids]
+        if rows[0].params.seed is not None:
+            uniform = torch.cat([torch.rand(1, generator=self.generator(rows[j], p.device, stream=1),
+                                            device=p.device) for j in range(k)])
+        else:
+            uniform = torch.rand(k, generator=self.generator(rows[0], p.device), device=p.device)
+        keep = (uniform * q_d <= p_d).tolist()  # u < p/q, without dividing by a zero q
+        accepted = next((j for j, kept in enumerate(keep) if not kept), k)
+        if accepted == k:
+            return k, list(drafts) + ids[k : k + 1], logp[index, draft_ids].tolist() + lps[k : k + 1]
+        residual = (p[accepted] - q[accepted]).clamp_min_(0)
+        total = residual.sum()
+        if not total > 0:  # p <= q everywhere only when p == q: then nothing is rejected; guard rounding
+            residual, total = p[accepted], p[accepted].sum()
+        token = int(torch.multinomial(residual / total, 1,
+                                      generator=self.generator(rows[accepted], p.device, stream=2)))
+        emitted = list(drafts[:accepted]) + [token]
+        return accepted, emitted, logp[torch.arange(accepted + 1, device=p.device),
+                                       torch.tensor(emitted, device=p.device)].tolist()
+
+    @staticmethod
+    def top_logprobs(
+        processed: torch.Tensor, sampling: list[SamplingRow], token_ids: list[int]
+    ) -> list[PositionLogprobs | None]:
+        """Rank and top-N of the sampled tokens, for the rows that ask only."""
+        asking = [i for i, row in enumerate(sampling) if row.params.logprobs is not None]
+        out: list[PositionLogprobs | None] = [None] * len(sampling)
+        if asking:
+            index = torch.tensor(asking, dtype=torch.int64, device=processed.device)
+            entries = compute_position_logprobs(
+                processed.index_select(0, index).float().cpu(), [token_ids[i] for i in asking],
+                [sampling[i].params.logprobs for i in asking],
+            )
+            for i, entry in zip(asking, entries):
+                out[i] = entry
+        return out
 
     def generator(self, row: SamplingRow, device: torch.device, stream: int = 0) -> torch.Generator:
         """The generator ``row``'s draws come from: when seeded, its request's own,
