@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ember.config import SchedulerConfig
 from ember.sampling_params import SamplingParams
 from ember.sched.kv_cache_manager import KVCacheManager
-from ember.sched.scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler
+from ember.sched.request import Request, RequestStatus
+from ember.sched.scheduler import ModelRunnerOutput, Scheduler
 from ember.sched.step import SchedulerOutput
 
 EOS = 2

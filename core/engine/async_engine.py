@@ -40,7 +40,7 @@ from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager
 from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
 from ember.sampling_params import SamplingParams
-from ember.sched.scheduler import RequestStatus
+from ember.sched.request import RequestStatus
 from ember.sched.step import StepStats
 from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.sampler import Sampler

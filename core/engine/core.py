@@ -35,7 +35,8 @@ from ember.plugin.quantizer import select_quantizer
 from ember.plugin.speculator import SpeculatorContext
 from ember.sampling_params import SamplingParams
 from ember.sched.kv_cache_manager import KVCacheManager
-from ember.sched.scheduler import Request, RequestStatus, Scheduler, record_step
+from ember.sched.request import Request, RequestStatus
+from ember.sched.scheduler import Scheduler, record_step
 from ember.sched.step import SchedulerOutput, StepStats
 from ember.weights import resolve_model
 from ember.worker.graphs import default_graph_sizes

@@ -25,7 +25,7 @@ import torch
 from ember.config import EngineConfig
 from ember.engine.client import EngineFatalError, ModelInfo
 from ember.engine.core import EngineCore
-from ember.sched.scheduler import RequestStatus
+from ember.sched.request import RequestStatus
 
 logger = logging.getLogger("ember.engine.core")  # the core's log lines, whichever process it runs in
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ember.engine.client import ModelInfo
 from ember.sampling_params import SamplingParams
-from ember.sched.scheduler import check_priority, check_request_fits
+from ember.sched.request import check_priority, check_request_fits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

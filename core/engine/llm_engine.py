@@ -19,7 +19,7 @@ from ember.engine.output_processor import OutputKind, OutputProcessor
 from ember.outputs import RequestOutput
 from ember.plugin.manager import EmberPluginManager
 from ember.sampling_params import SamplingParams
-from ember.sched.scheduler import RequestStatus, check_priority
+from ember.sched.request import RequestStatus, check_priority
 
 __all__ = ["LLMEngine"]
 

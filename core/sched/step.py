@@ -91,10 +91,6 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
 
 @dataclass(slots=True)
 class ModelRunnerOutput:

@@ -321,7 +321,7 @@ class ModelRunner:
         self._update_batch(scheduler_output)
         if self.collect_all_hidden:
             self.step_hidden = []
-        if scheduler_output.is_empty:
+        if not scheduler_output.num_scheduled_tokens:  # nothing to compute
             return ModelRunnerOutput([], [])
         batch = self.batch
         device = self.device
