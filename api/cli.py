@@ -1,4 +1,4 @@
-"""The `ember` command line: `serve`, `generate`, `download`, `plugins`, `watermark`, `bench`.
+"""The `ember` command line: `serve`, `generate`, `download`, `plugins`, `backends`, `watermark`, `bench`.
 
 Every option takes its default from an ``EMBER_*`` environment variable, read when
 `main` runs (never at import); a flag on the command line wins over the variable.
@@ -24,11 +24,12 @@ from contextlib import contextmanager
 
 from ember.api.cli_env import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, KV_CACHE_DTYPES, LOG_LEVELS, PROG, UsageError,
-    apply_defaults, parse_graph_sizes, parse_names, parse_size_option,
+    apply_defaults, parse_graph_sizes, parse_names, parse_size_option, retired_variable_warnings,
 )
 from ember.api.commands import (
     print_error,
     run_backends_check,
+    run_backends_options,
     run_download,
     run_generate,
     run_plugins,
@@ -107,6 +108,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "float32 compute, else the compute dtype) [EMBER_KV_CACHE_DTYPE]",
     )
     _add_plugin_arguments(group, with_required=True)
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument(
+        "--backend-option", metavar="KEY=VALUE", action="append", default=None,
+        help="set one of the hardware backend's options (repeatable; `ember backends options NAME` lists them, "
+        "e.g. cpu: linear=plain); wins over the same key of EMBER_BACKEND_OPTIONS "
+        "[EMBER_BACKEND_OPTIONS, a JSON object: '{\"linear\": \"plain\"}']",
+    )
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="send PROMPT as one user message through the model's chat template [EMBER_CHAT]",
     )
     _add_engine_arguments(generate)
+    _add_backend_arguments(generate)
     _add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
 
@@ -291,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Limits left unset are derived from the model and the KV cache.",
     )
     _add_engine_arguments(serve)
+    _add_backend_arguments(serve)
     _add_server_arguments(serve)
     _add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
@@ -335,6 +348,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "decode graphs replayed eagerly)")
     _add_plugin_arguments(check, with_required=False)
     check.set_defaults(handler=run_backends_check)
+    options = backend_commands.add_parser(
+        "options", parents=[common], help="list a backend's options (--backend-option KEY=VALUE)",
+        description="Every option of the backend NAME: its name, type or choices, default and what it trades. "
+        "Set them with --backend-option KEY=VALUE on `ember serve` / `ember generate`, EMBER_BACKEND_OPTIONS "
+        "(a JSON object), or EngineConfig.backend_options.",
+    )
+    options.add_argument("name", metavar="NAME", help="a backend name (ember plugins lists them)")
+    options.add_argument("--json", dest="as_json", action="store_true", default=None, help="machine-readable output")
+    _add_plugin_arguments(options, with_required=False)
+    options.set_defaults(handler=run_backends_options)
 
     from ember.api.bench.cli import add_bench_parser  # `ember bench`: its own package
 
@@ -390,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print_error(str(exc))
         return 2
+    if hasattr(args, "backend_option"):  # a command that builds a backend
+        for warning in retired_variable_warnings(os.environ):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
     json_output = bool(getattr(args, "json_output", False))
     try:
         with _log_to_stderr(args.log_level, json_output):

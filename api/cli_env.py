@@ -212,6 +212,88 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 }
 
 
+BACKEND_OPTIONS_VARIABLE = "EMBER_BACKEND_OPTIONS"
+# variables that set backend options before options existed: no longer read (a warning
+# names the option that replaced each); old name -> (backend, option)
+RETIRED_VARIABLES: dict[str, tuple[str, str]] = {
+    "EMBER_CPU_PATH": ("cpu", "path"),
+    "EMBER_CPU_BF16_COMPUTE": ("cpu", "path"),
+    "EMBER_CPU_NATIVE": ("cpu", "native"),
+    "EMBER_CPU_LINEAR": ("cpu", "linear"),
+    "EMBER_CPU_SMALL_BATCH_ROWS": ("cpu", "small_batch_rows"),
+    "EMBER_CPU_DECODE_GROUP_BYTES": ("cpu", "decode_group_bytes"),
+    "EMBER_BATCH_INVARIANT": ("cpu", "batch_invariant"),
+    "EMBER_QUANT_ISA": ("cpu", "quant_isa"),
+    "EMBER_GGUF_X8": ("cpu", "gguf_x8"),
+    "EMBER_GGUF_PREFILL": ("cpu", "gguf_prefill"),
+    "EMBER_ATTENTION": ("cuda, rocm, xpu, gaudi", "attention"),
+    "EMBER_GPU_MEMORY_UTILIZATION": ("cuda, rocm, xpu, gaudi", "gpu_memory_utilization"),
+    "EMBER_DEVICE_INDEX": ("cuda, rocm, xpu, gaudi", "device_index"),
+}
+
+
+def retired_variable_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One line for each retired variable set in ``environ``: it is ignored, and the
+    backend option that replaced it."""
+    return [
+        f"{name} is no longer read; set the {backend} backend's option instead: --backend-option "
+        f"{option}=VALUE (or {BACKEND_OPTIONS_VARIABLE}) -- see `ember backends options NAME`"
+        for name, (backend, option) in RETIRED_VARIABLES.items() if environ.get(name)
+    ]
+
+
+def parse_backend_option(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` -> ``(key, value)``; ValueError when there is no ``=`` or no key."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--backend-option {text!r}: expected KEY=VALUE, e.g. --backend-option linear=plain")
+    return key.strip(), value.strip()
+
+
+def parse_backend_options_json(text: str) -> dict[str, str]:
+    """``EMBER_BACKEND_OPTIONS``: a JSON object of option names to strings, numbers or
+    booleans (kept as their text); ValueError otherwise."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError('expected a JSON object such as {"linear": "plain"}')
+    options = {}
+    for key, item in value.items():
+        if isinstance(item, bool):
+            item = "true" if item else "false"
+        elif isinstance(item, (int, float)):
+            item = json.dumps(item)
+        elif not isinstance(item, str):
+            raise ValueError(f"option {key!r}: expected a string, number or boolean, got {json.dumps(item)}")
+        options[key] = item
+    return options
+
+
+def resolve_backend_options(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """``args.backend_option`` (the raw --backend-option texts) becomes a dict: the
+    options of ``EMBER_BACKEND_OPTIONS``, then each flag's, which wins per key."""
+    if not hasattr(args, "backend_option"):
+        return
+    options: dict[str, str] = {}
+    text = environ.get(BACKEND_OPTIONS_VARIABLE, "")
+    if text.strip():
+        try:
+            options.update(parse_backend_options_json(text))
+        except ValueError as exc:
+            raise UsageError(f"environment variable {BACKEND_OPTIONS_VARIABLE}={text!r} is invalid: {exc}") from None
+    for item in args.backend_option or []:
+        try:
+            key, value = parse_backend_option(item)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        options[key] = value
+    args.backend_option = options
+
+
 def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """Fill every option the command line left unset (None) from its variable, else
     from `BUILTIN_DEFAULTS`. An empty variable is unset, except for a secret: an empty
@@ -237,3 +319,4 @@ def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None
             setattr(args, dest, option.convert(text))
         except ValueError as exc:
             raise UsageError(f"environment variable {option.variable}={text!r} is invalid: {exc}") from None
+    resolve_backend_options(args, environ)

@@ -49,6 +49,7 @@ def run_generate(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         dequantize=args.dequantize,
         kv_cache_dtype=args.kv_cache_dtype,
+        backend_options=args.backend_option,
         disabled_plugins=tuple(args.disable_plugin),
         required_plugins=tuple(args.plugin),
         plugin_manager=plugin_manager,
@@ -96,6 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         dequantize=args.dequantize,
         kv_cache_dtype=args.kv_cache_dtype,
+        backend_options=args.backend_option,
         grammar_compile_timeout=args.grammar_compile_timeout,
         api_key=args.api_key,
         cors_allow_origins=tuple(args.cors_allow_origin),
@@ -255,6 +257,43 @@ def run_backends_check(args: argparse.Namespace) -> int:
         print_error(f"{args.name}{where}: {exc}")
         return 1
     return 0
+
+
+def run_backends_options(args: argparse.Namespace) -> int:
+    """`ember backends options NAME [--json]`: every option of the backend, whether or
+    not this machine can run it."""
+    import textwrap
+
+    from ember.plugin import create_plugin_manager
+
+    registry = create_plugin_manager(disabled=args.disable_plugin).registries.backends
+    if args.name not in registry.names():
+        print_error(f"no backend named {args.name!r}; registered: {', '.join(registry.names())}")
+        return 2
+    options = registry.get(args.name).options_class.describe()
+    if args.as_json:
+        print(json.dumps([{"name": o.name, "type": o.type, "default": o.default, "doc": o.doc} for o in options],
+                         indent=2))
+        return 0
+    if not options:
+        print(f"the {args.name} backend has no options")
+        return 0
+    print(f"options of the {args.name} backend (ember serve/generate --backend-option KEY=VALUE; "
+          "EMBER_BACKEND_OPTIONS='{\"KEY\": \"VALUE\"}'):")
+    for o in options:
+        print()
+        print(f"  {o.name}  ({o.type}; default {_option_text(o.default)})")
+        print(textwrap.fill(o.doc, width=100, initial_indent="      ", subsequent_indent="      "))
+    return 0
+
+
+def _option_text(value: object) -> str:
+    """An option's value as a user would type it."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def _qualified_name(item: object) -> str:

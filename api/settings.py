@@ -84,6 +84,9 @@ class ServerSettings:
     quantize: str | None = None
     dequantize: bool = False
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype (EngineConfig.kv_cache_dtype)
+    # the backend's options by name (--backend-option KEY=VALUE, EMBER_BACKEND_OPTIONS;
+    # EngineConfig.backend_options), strings parsed and checked by the backend
+    backend_options: dict = field(default_factory=dict)
     required_plugins: tuple[str, ...] = field(default_factory=tuple)
     served_model_name: str | None = None
     # Server-side logits-processor settings by name (e.g. the watermark's key, gamma, delta).
@@ -272,6 +275,7 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "required_plugins": settings.required_plugins,
         "processor_options": settings.processor_options,
+        "backend_options": settings.backend_options,
         # the server promises that a request of max_total_tokens fits: refuse a smaller
         # KV cache at start (before the weights are read when the budget is explicit)
         "require_kv_for_max_model_len": True,

@@ -80,6 +80,11 @@ class EngineConfig:
     revision: str | None = None
     dtype: str = "auto"
     backend: str | None = None  # None: the available backend with the highest priority
+    # The backend's options by name (``ember backends options NAME`` lists them; the
+    # CLI's --backend-option KEY=VALUE, EMBER_BACKEND_OPTIONS): a mapping of str to str
+    # (numbers and booleans are turned into their text), kept as sorted (key, value)
+    # pairs; the backend parses and checks them when the engine builds it
+    backend_options: Mapping[str, Any] | tuple[tuple[str, str], ...] = ()
     # tokens per KV block; None: the attention's default (16; flash-attn's paged KV: 256)
     block_size: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -140,6 +145,7 @@ class EngineConfig:
             isinstance(v, Mapping) for v in self.processor_options.values()
         ):
             raise ValueError(f"processor_options must map processor names to dicts, got {self.processor_options!r}")
+        object.__setattr__(self, "backend_options", _backend_options(self.backend_options))
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         if not isinstance(self.dtype, str):
@@ -179,6 +185,31 @@ class EngineConfig:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")
             if self.num_kv_tokens < 1:
                 raise ValueError(f"num_kv_tokens must be >= 1, got {self.num_kv_tokens}")
+
+
+def _backend_options(value: Any) -> tuple[tuple[str, str], ...]:
+    """``EngineConfig.backend_options`` as sorted (key, text) pairs; ValueError for
+    anything but a mapping (or pairs) of names to strings, numbers or booleans."""
+    if value is None:
+        return ()
+    try:
+        pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+    except TypeError:
+        pairs = None
+    if pairs is None or isinstance(value, (str, bytes)) or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"backend_options must map option names to values, got {value!r}")
+    options: dict[str, str] = {}
+    for key, item in pairs:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"backend_options: option names must be non-empty strings, got {key!r}")
+        if isinstance(item, bool):
+            item = "true" if item else "false"
+        elif isinstance(item, (int, float)):
+            item = str(item)
+        elif not isinstance(item, str):
+            raise ValueError(f"backend_options: {key}={item!r} must be a string, number or boolean")
+        options[key] = item
+    return tuple(sorted(options.items()))
 
 
 @dataclass(frozen=True)

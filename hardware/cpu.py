@@ -1,297 +1,38 @@
 """The CPU backend: the reference implementation every other backend is checked against.
 
-Attention writes each step's K/V into the paged cache, then runs PyTorch's
-``scaled_dot_product_attention`` for prefill queries (one request at a time) and, for
-single-token (decode) queries of all requests, either the native kernel that reads the
-paged cache in place (float32) or SDPA over gathered K/V. Native kernels
+Attention (``ember.hardware.cpu_attention``) writes each step's K/V into the paged
+cache and runs PyTorch's SDPA or the native decode kernel. Native kernels
 (``ember.hardware.cpu_kernels``, compiled at first use) also serve small-batch linears
-over bf16 weight copies, fused RMSNorm/RoPE/SiLU and greedy sampling; with
-``EMBER_CPU_NATIVE=0``, or where they cannot be built, PyTorch runs everything.
+over bf16 weight copies, fused RMSNorm/RoPE/SiLU and greedy sampling; with the option
+``native=false``, or where they cannot be built, PyTorch runs everything. Every knob is
+an option (``CPUOptions``, ``ember backends options cpu``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ember.hardware import cpu_graphs, cpu_int_quant, cpu_kernels, cpu_quant
+from ember.hardware import cpu_graphs, cpu_gguf, cpu_int_quant, cpu_kernels
+from ember.hardware.cpu_attention import CPUAttention
 from ember.hardware.cpu_kernels import onednn_linear, onednn_linear_works
 from ember.hardware.cpu_linear import PackedLinear, RowInvariantLinear, SmallBatchLinear, packing_works
+from ember.hardware.cpu_options import CPUOptions
 from ember.hardware.cpu_paths import select_path
 from ember.models.layers import Linear
 from ember.plugin import hookimpl
-from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend
+from ember.plugin.backend import BaseAttention, BaseBackend
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float": torch.float32}
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Gathered K + V bytes per group of decode requests (see CPUAttention.forward).
-DECODE_GROUP_BYTES = int(os.environ.get("EMBER_CPU_DECODE_GROUP_BYTES", 4 << 20))
-# Products of at most this many rows read plain bf16 weights through the native
-# kernel: SmallBatchLinear (fp32 path) and PackedLinear (bf16 path, where oneDNN's
-# packed product was as fast at 4 rows and faster at 8).
-SMALL_BATCH_ROWS = {"fp32": 4, "bf16": 2}
-# A request with at most this many new tokens after a cached context (a decode, or a
-# decode with draft tokens to verify) attends row by row through the decode kernel:
-# no gather of its context, and each row's numbers as a decode would get them.
-DECODE_ROWS_MAX = 16
 # the largest activation a prompts-only step should make (CPUBackend.prefill_step_tokens):
 # glibc's largest mmap threshold, past which every allocation is paged in anew
 PREFILL_ACTIVATION_BYTES = 32 << 20
-if os.environ.get("EMBER_CPU_SMALL_BATCH_ROWS"):
-    SMALL_BATCH_ROWS = dict.fromkeys(SMALL_BATCH_ROWS, int(os.environ["EMBER_CPU_SMALL_BATCH_ROWS"]))
-
-
-@dataclass(slots=True)
-class PrefillGroup:
-    token_start: int
-    token_end: int
-    start_position: int
-    # flat slot ids of the tokens cached before this chunk; None when there are none
-    cached_slots: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class CPUAttentionMetadata:
-    slot_mapping: torch.Tensor  # (num_tokens,) int64
-    # (num_decodes,) rows of the flat batch; None when there is no decode or every row is one (all_decode)
-    decode_token_index: torch.Tensor | None
-    decode_tables: torch.Tensor | None  # (num_decodes, max_blocks) int64, rows padded with valid ids
-    decode_lens: torch.Tensor | None  # (num_decodes,) int64 context lengths
-    prefills: list[PrefillGroup]
-    block_size: int
-    all_decode: bool = False  # every row of the batch is a decode, in order
-    # (num_decodes, 1, 1, max_blocks * block_size) bool, built on first use
-    decode_mask: torch.Tensor | None = None
-    # a device graph's static metadata: rows with slot -1 are padding (graph_metadata)
-    padded: bool = False
-
-    def mask(self) -> torch.Tensor:
-        if self.decode_mask is None:
-            max_len = self.decode_tables.shape[1] * self.block_size
-            lens = self.decode_lens
-            self.decode_mask = (torch.arange(max_len, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
-        return self.decode_mask
-
-
-def _decode_tables(tables: torch.Tensor, max_start: int, block_size: int) -> torch.Tensor:
-    """The decodes' block-table rows, cut to the blocks the longest context uses (the
-    kernel reads rows of that many ids, contiguous)."""
-    max_blocks = -(-(max_start + 1) // block_size)
-    if tables.shape[1] != max_blocks:
-        tables = tables[:, :max_blocks]
-    return tables if tables.is_contiguous() else tables.contiguous()
-
-
-class CPUAttention(BaseAttention):
-    """``kernels``: the native kernels (ember.hardware.cpu_kernels), or None for
-    PyTorch only. With them, float32 decode attention reads the paged cache in place
-    (``paged_decode_attention``); without, it gathers K/V and runs SDPA."""
-
-    name = "cpu"
-
-    def __init__(self, kernels=None, row_invariant: bool = False) -> None:
-        self.kernels = kernels
-        # every token attends as a decode of its own (EMBER_BATCH_INVARIANT): the same
-        # numbers whether it is computed in a prompt, a chunk, a verification or alone
-        self.row_invariant = row_invariant
-
-    def _rows_as_decodes(self, batch: AttentionBatch) -> CPUAttentionMetadata:
-        requests, lens = [], []
-        for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
-            requests.extend([i] * num_query)
-            lens.extend(range(start + 1, start + num_query + 1))
-        device = batch.device
-        index = torch.tensor(requests, dtype=torch.int64, device=device)
-        metadata = CPUAttentionMetadata(
-            batch.slot_mapping, torch.arange(len(lens), device=device),
-            _decode_tables(batch.block_table[index], max(lens) - 1, batch.block_size),
-            torch.tensor(lens, dtype=torch.int64, device=device), [], batch.block_size,
-        )
-        if self.kernels is None:
-            metadata.mask()
-        return metadata
-
-    def prepare(self, batch: AttentionBatch) -> CPUAttentionMetadata:
-        block_size, n = batch.block_size, len(batch.query_lens)
-        if self.row_invariant and n:
-            return self._rows_as_decodes(batch)
-        if n and sum(batch.query_lens) == n and min(batch.start_positions) > 0:  # decodes only: the common step
-            tables = _decode_tables(batch.block_table, max(batch.start_positions), block_size)
-            metadata = CPUAttentionMetadata(batch.slot_mapping, None, tables, batch.seq_lens, [], block_size, True)
-            if self.kernels is None:
-                metadata.mask()
-            return metadata
-        decode_rows: list[int] = []  # flat rows attending as decodes
-        decode_requests: list[int] = []  # their request indices
-        decode_lens: list[int] = []  # their context lengths
-        prefills: list[PrefillGroup] = []
-        row = 0
-        for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
-            if start > 0 and num_query <= DECODE_ROWS_MAX:
-                # a decode, or a few tokens after a cached context (a decode with draft
-                # tokens to verify): each row attends as a decode over its own context,
-                # reading the paged cache in place, with the numbers a decode would get
-                decode_rows.extend(range(row, row + num_query))
-                decode_requests.extend([i] * num_query)
-                decode_lens.extend(range(start + 1, start + num_query + 1))
-            else:
-                cached = batch.context_slots(i)[:start] if start > 0 else None
-                prefills.append(PrefillGroup(row, row + num_query, start, cached))
-            row += num_query
-        metadata = CPUAttentionMetadata(batch.slot_mapping, None, None, None, prefills, block_size)
-        if decode_rows:  # with prefills beside them
-            device = batch.device
-            index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
-            metadata.decode_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            metadata.decode_token_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-            metadata.decode_tables = _decode_tables(batch.block_table[index], max(decode_lens) - 1, block_size)
-            if self.kernels is None:
-                metadata.mask()
-        return metadata
-
-    supports_graphs = True  # CPU graphs (ember.hardware.cpu_graphs), and Gaudi's HPU graphs of its PyTorch ops
-
-    def graph_metadata(
-        self, batch_size: int, max_blocks: int, block_size: int, device: torch.device,
-    ) -> CPUAttentionMetadata:
-        """Decodes over tables of ``max_blocks`` blocks (the whole context a request
-        may have: fixed shapes, at the cost of masking what a shorter one leaves)."""
-        metadata = CPUAttentionMetadata(
-            torch.full((batch_size,), -1, dtype=torch.int64, device=device), None,
-            torch.zeros(batch_size, max_blocks, dtype=torch.int64, device=device),
-            torch.ones(batch_size, dtype=torch.int64, device=device), [], block_size, all_decode=True, padded=True,
-        )
-        if self.kernels is None:
-            metadata.mask()
-        return metadata
-
-    def fill_graph_metadata(self, metadata: CPUAttentionMetadata, batch: AttentionBatch) -> None:
-        n, width = batch.block_table.shape
-        metadata.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        metadata.slot_mapping[n:].fill_(-1)
-        metadata.decode_tables[:n, :width].copy_(batch.block_table, non_blocking=True)
-        metadata.decode_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        metadata.decode_lens[n:].fill_(1)  # padding reads position 0 of its row's first block
-        if metadata.decode_mask is not None:  # PyTorch's attention reads the mask; the native kernel does not
-            max_len = metadata.decode_mask.shape[-1]
-            torch.lt(torch.arange(max_len, device=batch.device)[None, :], metadata.decode_lens[:, None],
-                     out=metadata.decode_mask.view(-1, max_len))
-
-    def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        kernels = self.kernels
-        if kernels is not None and kernels.kv_write_supports(k.dtype, kv_cache.dtype) and k.stride() == v.stride():
-            # in place from the fused qkv's views; padding rows (slot -1) write nothing
-            kernels.kv_write(k, v, metadata.slot_mapping, flat_cache[0], flat_cache[1])
-        else:
-            self._write_cache(flat_cache, k.to(kv_cache.dtype), v.to(kv_cache.dtype), metadata)
-        native_decode = metadata.decode_lens is not None and kernels is not None \
-            and kernels.attention_supports(q.shape[1], num_kv_heads, head_dim, q.dtype, kv_cache.dtype)
-        if native_decode and metadata.all_decode:
-            return kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], metadata.decode_tables,
-                                                  metadata.decode_lens, scale)
-        out = torch.empty_like(q)
-        is_gqa = q.shape[1] != num_kv_heads
-        # Prefill attention runs as one 4-D (batch 1) product: PyTorch's CPU flash
-        # kernel takes 4-D inputs (blocked over keys, the causal or context mask read
-        # block by block), while 3-D ones fell to the math path, which materializes
-        # every score: 3x slower at a 2048-token context, and growing with it.
-        for group in metadata.prefills:
-            qs = q[group.token_start : group.token_end].transpose(0, 1)[None]
-            ks = k[group.token_start : group.token_end].transpose(0, 1)[None]
-            vs = v[group.token_start : group.token_end].transpose(0, 1)[None]
-            if group.cached_slots is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=is_gqa)
-            else:
-                k_ctx = flat_cache[0][group.cached_slots].transpose(0, 1).to(q.dtype)[None]
-                v_ctx = flat_cache[1][group.cached_slots].transpose(0, 1).to(q.dtype)[None]
-                o = _attend_after_context(qs, k_ctx, v_ctx, ks, vs, scale, is_gqa)
-            out[group.token_start : group.token_end] = o[0].transpose(0, 1)
-        if metadata.decode_lens is not None:
-            if native_decode:
-                rows = metadata.decode_token_index
-                out[rows] = kernels.paged_decode_attention(q[rows], kv_cache[0], kv_cache[1], metadata.decode_tables,
-                                                           metadata.decode_lens, scale)
-                return out
-            mask = metadata.mask()
-            num_decodes, max_len = mask.shape[0], mask.shape[-1]
-            decode_rows = metadata.decode_token_index
-            if decode_rows is None:  # all_decode
-                decode_rows = torch.arange(num_decodes, device=q.device)
-            # Decodes go in groups whose gathered K and V stay in the CPU's cache:
-            # gathering all of a 256-request batch at once (tens of MB a layer) and
-            # reading it back from memory made this 10x slower than at 128 requests.
-            row_bytes = 2 * max_len * num_kv_heads * head_dim * kv_cache.element_size()
-            group = max(1, DECODE_GROUP_BYTES // row_bytes)
-            for start in range(0, num_decodes, group):
-                end = min(start + group, num_decodes)
-                n = end - start
-                block_ids = metadata.decode_tables[start:end].reshape(-1)
-                # index_select of whole blocks (2x faster than advanced indexing here),
-                # then (n, max_blocks * block_size, kv_heads, D) -> (n, kv_heads, L, D) as a view.
-                ks = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)
-                vs = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_dim)
-                # GQA without expanding K/V: the query heads sharing a KV head become that
-                # head's query rows, (n, kv_heads, heads_per_kv, D).
-                rows = decode_rows[start:end]
-                qd = q[rows].view(n, num_kv_heads, -1, head_dim)
-                o = F.scaled_dot_product_attention(
-                    qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-                    attn_mask=mask[start:end], scale=scale,
-                )
-                out[rows] = o.reshape(n, -1, head_dim)
-        return out
-
-    @staticmethod
-    def _write_cache(flat_cache, kw, vw, metadata: CPUAttentionMetadata) -> None:
-        """The step's K/V into the cache with PyTorch (no native kernels, or another dtype)."""
-        slots = metadata.slot_mapping
-        if metadata.padded:
-            # In fixed shapes, padding rows (slot -1) write row 0's K/V to row 0's slot:
-            # duplicate indices with equal values, so the write stays exact. Before the
-            # first fill (capture) row 0 is padding too: it writes slot 0's own values back.
-            valid = slots >= 0
-            first = slots[:1].clamp(min=0)
-            first_valid = valid[:1, None, None]
-            k0 = torch.where(first_valid, kw[:1], flat_cache[0].index_select(0, first))
-            v0 = torch.where(first_valid, vw[:1], flat_cache[1].index_select(0, first))
-            slots = torch.where(valid, slots, first)
-            kw, vw = torch.where(valid[:, None, None], kw, k0), torch.where(valid[:, None, None], vw, v0)
-        flat_cache[0].index_copy_(0, slots, kw)
-        flat_cache[1].index_copy_(0, slots, vw)
-
-
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _attend_after_context(q, k_ctx, v_ctx, k_new, v_new, scale: float, is_gqa: bool) -> torch.Tensor:
-    """A prompt chunk's attention (batch-1 4-D tensors) over its cached context, which
-    every query sees whole, and over its own tokens, causally: two flash products
-    merged by their log-sum-exps. One masked product over context + chunk computed
-    every (query, key) block, the masked half too, and built an n_q x n_ctx mask: at
-    a 4096-token chunk after 4095 cached tokens, a third more work than causal."""
-    if _FLASH is None:  # a torch without the CPU flash op: one masked product
-        ks, vs = torch.cat((k_ctx, k_new), 2), torch.cat((v_ctx, v_new), 2)
-        mask = torch.ones(q.shape[2], ks.shape[2], dtype=torch.bool).tril(diagonal=ks.shape[2] - q.shape[2])
-        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
-    if is_gqa:
-        group = q.shape[1] // k_ctx.shape[1]
-        k_ctx, v_ctx = k_ctx.repeat_interleave(group, 1), v_ctx.repeat_interleave(group, 1)
-        k_new, v_new = k_new.repeat_interleave(group, 1), v_new.repeat_interleave(group, 1)
-    o_ctx, lse_ctx = _FLASH(q, k_ctx, v_ctx, 0.0, False, scale=scale)[:2]
-    o_new, lse_new = _FLASH(q, k_new, v_new, 0.0, True, scale=scale)[:2]
-    top = torch.maximum(lse_ctx, lse_new)
-    w_ctx, w_new = (lse_ctx - top).exp_(), (lse_new - top).exp_()
-    total = w_ctx + w_new
-    o = o_ctx.float().mul_((w_ctx / total)[..., None]).add_(o_new.float().mul_((w_new / total)[..., None]))
-    return o.to(q.dtype)
 
 
 def _reset_peak_rss() -> bool:
@@ -323,7 +64,7 @@ class CPUBackend(BaseBackend):
     math on weights prepacked for oneDNN, a bf16 KV cache) or ``fp32`` (elsewhere:
     bf16 is a storage dtype, and matrix multiplies, activations and the KV cache use
     float32, since PyTorch's bf16 GEMM is several times slower than its fp32 GEMM
-    there). ``EMBER_CPU_PATH=bf16|fp32`` forces one.
+    there). The option ``path=bf16|fp32`` forces one.
     """
 
     name = "cpu"
@@ -338,8 +79,17 @@ class CPUBackend(BaseBackend):
     # where the widest activation would outgrow PREFILL_ACTIVATION_BYTES (prefill_step_tokens)
     default_prefill_step_tokens = 4096
 
-    def __init__(self) -> None:
+    options_class = CPUOptions
+    options: CPUOptions
+    device = torch.device("cpu")  # a plain attribute: the runner reads it every step
+
+    def __init__(self, options: CPUOptions | None = None) -> None:
+        super().__init__(options)
         self._path: str | None = None
+
+    def _kernels(self):
+        """The native kernels (``cpu_kernels.load``), None with the option native=false."""
+        return cpu_kernels.load(self.options.native)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -361,10 +111,6 @@ class CPUBackend(BaseBackend):
         return tokens
 
     @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)
 
@@ -382,7 +128,7 @@ class CPUBackend(BaseBackend):
     def path(self) -> str:
         """``bf16`` or ``fp32``: how this backend runs a bf16 model (chosen once, logged)."""
         if self._path is None:
-            self._path, why = select_path()
+            self._path, why = select_path(forced=self.options.path)
             logger.info("cpu backend: %s path for bf16 models (%s)", self._path, why)
         return self._path
 
@@ -393,11 +139,11 @@ class CPUBackend(BaseBackend):
 
     def linear_op(self):
         if self.batch_invariant:
-            return RowInvariantLinear(cpu_kernels.load())
+            return RowInvariantLinear(self._kernels())
         # oneDNN's linear beat F.linear (MKL sgemm) at every batch size measured on a
         # 2-core AVX2 EPYC: 1 row 30 vs 38 ms, 32 rows 105 vs 139 ms, 128 rows 258 vs
         # 307 ms per SmolLM2 forward's projections. Private op: F.linear where absent.
-        if os.environ.get("EMBER_CPU_LINEAR", "onednn") == "onednn" and onednn_linear_works():
+        if self.options.linear == "onednn" and onednn_linear_works():
             return onednn_linear
         return F.linear
 
@@ -410,9 +156,10 @@ class CPUBackend(BaseBackend):
         # A bf16 model computed in fp32 keeps a bf16 copy of each matmul weight for
         # products of few rows (decode of a small batch), which are bound by reading
         # the weights: see SmallBatchLinear and ember.hardware.cpu_kernels. Costs
-        # half the weights' fp32 bytes again; EMBER_CPU_NATIVE=0 turns it off.
-        rows = SMALL_BATCH_ROWS["fp32"]
-        kernels = cpu_kernels.load() if rows > 0 else None
+        # half the weights' fp32 bytes again; the options native=false or
+        # small_batch_rows=0 turn it off.
+        rows = self.options.small_batch_rows_for("fp32")
+        kernels = self._kernels() if rows > 0 else None
         if kernels is None:
             return
         op = SmallBatchLinear(model.linear_op, kernels, rows)
@@ -424,15 +171,15 @@ class CPUBackend(BaseBackend):
     def _pack_weights(self, model) -> None:
         # The bf16 path: every Linear's weight is replaced by its oneDNN-packed form; a
         # weight read elsewhere too (a tied LM head) gets a packed copy. Products of up
-        # to SMALL_BATCH_ROWS rows read plain bf16 weights kept beside the packed ones
+        # to small_batch_rows rows read plain bf16 weights kept beside the packed ones
         # (PackedLinear; twice the weights' bytes, as the fp32 path's float32 weights
-        # and bf16 copies take three times). EMBER_CPU_SMALL_BATCH_ROWS=0 keeps the
-        # packed weights only; EMBER_CPU_LINEAR=plain keeps plain weights only (F.linear).
-        if os.environ.get("EMBER_CPU_LINEAR", "onednn") != "onednn" or not packing_works():
+        # and bf16 copies take three times). The option small_batch_rows=0 keeps the
+        # packed weights only; linear=plain keeps plain weights only (F.linear).
+        if self.options.linear != "onednn" or not packing_works():
             logger.info("cpu backend: bf16 weights kept in plain layout (F.linear)")
             return
-        rows = SMALL_BATCH_ROWS["bf16"]
-        op = PackedLinear(model.linear_op, cpu_kernels.load() if rows > 0 else None, rows)
+        rows = self.options.small_batch_rows_for("bf16")
+        op = PackedLinear(model.linear_op, self._kernels() if rows > 0 else None, rows)
         packed = 0
         for module in model.modules():
             if isinstance(module, Linear) and not module.is_quantized and module.weight.dtype == torch.bfloat16:
@@ -448,11 +195,11 @@ class CPUBackend(BaseBackend):
         )
 
     def quantized_linear_op(self, format: str, compute_dtype: torch.dtype):
-        op = quantized_ops().get(format)
+        op = quantized_ops(self.options).get(format)
         return op() if op is not None else None
 
     def quantized_formats(self, compute_dtype: torch.dtype) -> tuple[str, ...]:
-        return tuple(sorted(quantized_ops()))
+        return tuple(sorted(quantized_ops(self.options)))
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Converting every bf16 weight to fp32 on every forward read and wrote three
@@ -471,7 +218,7 @@ class CPUBackend(BaseBackend):
         # numbers (the compute dtype) otherwise; the bf16 path stores bfloat16.
         compute = self.compute_dtype(dtype)
         if requested == "auto":
-            if quantized and compute == torch.float32 and cpu_kernels.load() is not None:
+            if quantized and compute == torch.float32 and self._kernels() is not None:
                 return torch.float16
             return compute
         chosen = _KV_DTYPES.get(requested)
@@ -525,7 +272,7 @@ class CPUBackend(BaseBackend):
     def layer_ops(self, compute_dtype: torch.dtype) -> dict:
         # each replaces 3 to 12 small PyTorch ops, whose per-op cost was most of a
         # one-request decode step once the weights were read fast (fp32 and bf16 paths)
-        kernels = cpu_kernels.load()
+        kernels = self._kernels()
         if kernels is None or compute_dtype not in cpu_kernels.KERNEL_DTYPES:
             return {}
         return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul,
@@ -540,39 +287,35 @@ class CPUBackend(BaseBackend):
         # CPU graphs (ember.hardware.cpu_graphs): a forward that runs on the native
         # kernels only (GGUF weights, bf16 weights at few rows) replays as one C call;
         # one that runs PyTorch's ops (a float32 GEMM) is refused and runs eagerly
-        if cpu_kernels.load() is None:
+        if self._kernels() is None:
             return None
         return cpu_graphs.capture
 
     def greedy_op(self):
-        kernels = cpu_kernels.load()
+        kernels = self._kernels()
         return kernels.greedy if kernels is not None else None
 
     def create_attention(self) -> BaseAttention:
-        return CPUAttention(cpu_kernels.load(), row_invariant=self.batch_invariant)
+        return CPUAttention(self._kernels(), row_invariant=self.batch_invariant,
+                            decode_group_bytes=self.options.decode_group_bytes)
 
     @property
     def batch_invariant(self) -> bool:
-        """``EMBER_BATCH_INVARIANT=1``: every token's numbers independent of what shares
-        its step (its batch mates, its prompt's chunking, draft positions beside it,
-        a recomputation after preemption): row-by-row products and decode-style
+        """The option ``batch_invariant``: every token's numbers independent of what
+        shares its step (its batch mates, its prompt's chunking, draft positions beside
+        it, a recomputation after preemption): row-by-row products and decode-style
         attention for every token. Slower; for checking that scheduling and
         speculation never change outputs (docs/speculative.md)."""
-        value = os.environ.get("EMBER_BATCH_INVARIANT", "0").strip()
-        if value not in ("0", "1", ""):
-            raise ValueError(f"EMBER_BATCH_INVARIANT must be 0 or 1, got {value!r}")
-        if value == "1" and not getattr(self, "_said_invariant", False):
-            self._said_invariant = True
-            logger.info("cpu backend: batch-invariant mode (EMBER_BATCH_INVARIANT=1): row-by-row products, "
-                        "every token's attention as a decode")
-        return value == "1"
+        return self.options.batch_invariant
 
 
-def quantized_ops() -> dict:
-    """The quantized formats the CPU backend runs (docs/quantization.md), by format: the
-    integer grids through PyTorch's weight-only kernels (ember.hardware.cpu_int_quant)."""
+def quantized_ops(options: CPUOptions | None = None) -> dict:
+    """The quantized formats the CPU backend runs (docs/quantization.md), by format, as
+    zero-argument factories of their ops: the integer grids through PyTorch's
+    weight-only kernels (ember.hardware.cpu_int_quant), GGUF through the native kernels
+    with the backend's ``options`` (ember.hardware.cpu_gguf)."""
     ops = dict(cpu_int_quant.linear_ops())
-    ops.update(cpu_quant.linear_ops())  # GGUF quant types, native kernels (ember.hardware.cpu_quant)
+    ops.update(cpu_gguf.linear_ops(options))
     return ops
 
 

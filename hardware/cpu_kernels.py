@@ -31,7 +31,7 @@ system C compiler (``$CC``, else ``cc``) into ``<ember cache>/kernels/``
 and thread count. Every C function Python calls, here and in ``cpu_quant``, is a
 :class:`NativeFunction`, which a CPU graph can record (``ember.hardware.cpu_graphs``). Where the CPU lacks
 AVX2/FMA, or no compiler works, ``load()`` returns None (the reason is logged once)
-and the backend keeps PyTorch's kernels. ``EMBER_CPU_NATIVE=0`` turns this off.
+and the backend keeps PyTorch's kernels. The CPU backend's option ``native=false`` turns this off.
 
 A cached library is loaded only if it passes `ember.hardware.trusted_library`'s
 checks (this user's, writable by no one else, the sha256 recorded when it was built);
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
 import subprocess
 import sys
@@ -388,16 +387,24 @@ _LOADED: NativeKernels | None = None
 _TRIED = False
 
 
-def load() -> NativeKernels | None:
-    """The compiled kernels, or None where they cannot run here (reason logged once)."""
-    global _LOADED, _TRIED
+_SAID_OFF = False
+
+
+def load(enabled: bool = True) -> NativeKernels | None:
+    """The compiled kernels, or None where they cannot run here (reason logged once),
+    or when not ``enabled`` (the CPU backend's option ``native=false``: nothing is
+    built or loaded)."""
+    global _LOADED, _TRIED, _SAID_OFF
+    if not enabled:
+        if not _SAID_OFF:
+            _SAID_OFF = True
+            logger.info("native CPU kernels off (backend option native=false): PyTorch's kernels are used")
+        return None
     if _TRIED:
         return _LOADED
     _TRIED = True
     reason, level = None, logging.INFO
-    if os.environ.get("EMBER_CPU_NATIVE", "1") == "0":
-        reason = "EMBER_CPU_NATIVE=0"
-    elif not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         reason = f"native CPU kernels are built on Linux only (this is {sys.platform})"
     else:
         missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]

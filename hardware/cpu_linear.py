@@ -5,7 +5,7 @@
 * ``SmallBatchLinear``: a bf16 model computed in float32 (the fp32 path): few rows read
   bf16 copies through the GEMV, more run oneDNN on the float32 weights;
 * ``PackedLinear``: the bf16 path: weights packed for oneDNN, few rows through the GEMV;
-* ``RowInvariantLinear``: batch-invariant products (``EMBER_BATCH_INVARIANT=1``).
+* ``RowInvariantLinear``: batch-invariant products (the CPU backend's option ``batch_invariant``).
 
 The fp32 path's own product, ``cpu_kernels.onednn_linear``, stays beside the kernels.
 """
@@ -128,7 +128,7 @@ class SmallBatchLinear:
 
 
 class RowInvariantLinear:
-    """Batch-invariant products (``EMBER_BATCH_INVARIANT=1``): each row of ``x @ w.T``
+    """Batch-invariant products (option ``batch_invariant``): each row of ``x @ w.T``
     comes out bit for bit as it would alone, whatever the other rows. bf16 weights go
     through the native kernel, whose every output is one row's dot product in a fixed
     order (reading the weights once for all rows); other weights run one row at a time

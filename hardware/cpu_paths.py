@@ -13,13 +13,11 @@ Two paths, chosen once at startup from the CPU's flags (``select_path``, logged)
   through oneDNN (``cpu_kernels.onednn_linear``), small batches reading bf16 weight
   copies through the native kernel (``cpu_linear.SmallBatchLinear``).
 
-``EMBER_CPU_PATH=bf16|fp32`` forces a path (``auto``, the default, reads the flags);
-``EMBER_CPU_BF16_COMPUTE=1`` is the older spelling of ``bf16``.
+The CPU backend's option ``path`` (``--backend-option path=bf16|fp32``) forces a
+path; ``auto``, the default, reads the flags.
 """
 
 from __future__ import annotations
-
-import os
 
 PATHS = ("bf16", "fp32")
 
@@ -36,16 +34,14 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-def select_path(flags: set[str] | None = None, environ=os.environ) -> tuple[str, str]:
+def select_path(flags: set[str] | None = None, forced: str = "auto") -> tuple[str, str]:
     """``(path, why)``: ``bf16`` on CPUs with AMX or AVX512-BF16, else ``fp32``, unless
-    ``EMBER_CPU_PATH`` (or ``EMBER_CPU_BF16_COMPUTE=1``) forces one."""
-    forced = environ.get("EMBER_CPU_PATH", "auto").strip().lower() or "auto"
-    if forced == "auto" and environ.get("EMBER_CPU_BF16_COMPUTE") == "1":
-        forced = "bf16"
+    ``forced`` (the CPU backend's option ``path``) names one."""
+    forced = forced.strip().lower() or "auto"
     if forced in PATHS:
-        return forced, "forced by EMBER_CPU_PATH" if "EMBER_CPU_PATH" in environ else "forced by EMBER_CPU_BF16_COMPUTE=1"
+        return forced, "forced by the backend option path"
     if forced != "auto":
-        raise ValueError(f"EMBER_CPU_PATH={forced!r} is not a CPU path; choose one of: auto, {', '.join(PATHS)}")
+        raise ValueError(f"path={forced!r} is not a CPU path; choose one of: auto, {', '.join(PATHS)}")
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags:
         return "bf16", "the CPU has AMX"

@@ -15,12 +15,12 @@ documents ``is_available``, ``device_count``, ``synchronize``,
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from ember.plugin.backend import BaseAttention, BaseBackend, eager_capture
+from ember.plugin.backend import BackendOptions, BaseAttention, BaseBackend, eager_capture, option
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16,
 }
-# EMBER_GPU_MEMORY_UTILIZATION: the share of the device's memory Ember may fill
-# (weights, activations and the KV cache together), as vLLM's --gpu-memory-utilization
+# the share of the device's memory Ember may fill (weights, activations and the KV cache
+# together), as vLLM's --gpu-memory-utilization (option gpu_memory_utilization)
 DEFAULT_MEMORY_UTILIZATION = 0.9
 INTERPRETED_MEMORY = 1 << 30  # the device an interpreted backend (checks only) pretends to have
 
@@ -40,7 +40,7 @@ _logged_choices: set[tuple[str, str]] = set()
 def _log_choice(backend: str, what: str) -> None:
     if (backend, what) not in _logged_choices:
         _logged_choices.add((backend, what))
-        logger.info("%s backend: attention by %s (EMBER_ATTENTION overrides)", backend, what)
+        logger.info("%s backend: attention by %s (the backend option attention overrides)", backend, what)
 
 
 def kv_budget_bytes(free: int, total: int, utilization: float, activation_bytes: int) -> int:
@@ -82,12 +82,44 @@ class CUDAGraphCapture:
         return replay
 
 
+@dataclass(frozen=True)
+class TorchDeviceOptions(BackendOptions):
+    """The knobs of the accelerator backends (cuda, rocm, xpu, gaudi)."""
+
+    attention: Literal["auto", "flash-attn", "triton", "torch"] = option(
+        "auto",
+        "The paged attention. auto: flash-attn where the backend runs it (cuda, rocm) and it is installed "
+        "(256-token KV blocks), else the Triton kernels, else (gaudi) PyTorch's ops. triton: the Triton "
+        "kernels even where flash-attn is installed; torch: gather + SDPA, slowest, no Triton needed. A "
+        "choice the backend does not have is refused when the engine starts.",
+    )
+    gpu_memory_utilization: float = option(
+        DEFAULT_MEMORY_UTILIZATION,
+        "The share of the device's memory Ember may fill: weights, activations and the KV cache together "
+        "(vLLM's --gpu-memory-utilization), in (0, 1]. Higher: a larger KV cache (more requests at once); "
+        "lower: room for other processes on the device. Ignored when --kv-cache-memory is given.",
+    )
+    device_index: int = option(
+        0,
+        "The device this process runs on among those visible (torch's device index). Parallel ranks on "
+        "one machine take this index plus their local rank.",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device_index < 0:
+            raise ValueError(f"device_index must be >= 0, got {self.device_index}")
+
+
 class TorchDeviceBackend(BaseBackend):
     """An accelerator driven through a torch device module. Subclasses set
     ``device_type`` and implement ``device_module`` and ``unavailable_reason``.
     Construction touches no device (the contract), so tests build one anywhere."""
 
     device_type: ClassVar[str]
+    options_class = TorchDeviceOptions
+    options: TorchDeviceOptions
     priority = 10  # over the CPU backend when available
     #: attention by the Triton kernels (GPUs); False: PyTorch's ops (Gaudi runs no Triton)
     uses_triton: ClassVar[bool] = True
@@ -112,7 +144,7 @@ class TorchDeviceBackend(BaseBackend):
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.device_type, int(os.environ.get("EMBER_DEVICE_INDEX", "0")))
+        return torch.device(self.device_type, self.options.device_index)
 
     @property
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -131,10 +163,7 @@ class TorchDeviceBackend(BaseBackend):
 
     def kv_cache_memory_bytes(self, model_bytes: int, activation_bytes: int = 0) -> int:
         free, total = self.memory_info()
-        utilization = float(os.environ.get("EMBER_GPU_MEMORY_UTILIZATION", DEFAULT_MEMORY_UTILIZATION))
-        if not 0 < utilization <= 1:
-            raise ValueError(f"EMBER_GPU_MEMORY_UTILIZATION must lie in (0, 1], got {utilization}")
-        return kv_budget_bytes(free, total, utilization, activation_bytes)
+        return kv_budget_bytes(free, total, self.options.gpu_memory_utilization, activation_bytes)
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of this backend's device."""
@@ -153,15 +182,15 @@ class TorchDeviceBackend(BaseBackend):
         self.device_module().synchronize(self.device)
 
     def create_attention(self) -> BaseAttention:
-        """The attention ``EMBER_ATTENTION`` names (``flash-attn``, ``triton``,
+        """The attention the option ``attention`` names (``flash-attn``, ``triton``,
         ``torch``), or by default: flash-attn where this backend runs it and it is
         installed, else Triton (``torch`` where the device has no Triton). The choice
         is logged once per process."""
         choices = self.attention_choices()
-        requested = os.environ.get("EMBER_ATTENTION", "auto").strip().lower() or "auto"
+        requested = self.options.attention
         if requested != "auto" and requested not in choices:
             raise ValueError(
-                f"EMBER_ATTENTION={requested!r} is not an attention of the {self.name} backend; "
+                f"attention={requested!r} is not an attention of the {self.name} backend; "
                 f"choose auto or one of: {', '.join(choices)}"
             )
         flash_missing = None
@@ -173,7 +202,7 @@ class TorchDeviceBackend(BaseBackend):
             except ImportError as exc:
                 if requested == "flash-attn":
                     raise ValueError(
-                        f"EMBER_ATTENTION=flash-attn, but flash-attn is not installed ({exc}); "
+                        f"attention=flash-attn, but flash-attn is not installed ({exc}); "
                         "pip install 'ember-serve[flash-attn]'"
                     ) from exc
                 flash_missing = f"flash-attn is not installed ({exc})"
@@ -181,7 +210,7 @@ class TorchDeviceBackend(BaseBackend):
                 _log_choice(self.name, "flash-attn (varlen and paged-KV entry points, 256-token KV blocks)")
                 return attention
         if requested == "torch" or (requested == "auto" and not self.uses_triton):
-            from ember.hardware.cpu import CPUAttention
+            from ember.hardware.cpu_attention import CPUAttention
 
             _log_choice(self.name, "PyTorch ops (index_copy_ into the cache, gather, SDPA)")
             # the CPU backend's reference attention without its native kernels: device-agnostic
@@ -200,7 +229,7 @@ class TorchDeviceBackend(BaseBackend):
 
     @classmethod
     def attention_choices(cls) -> tuple[str, ...]:
-        """The attentions ``EMBER_ATTENTION`` may name for this backend, best first."""
+        """The attentions the option ``attention`` may name for this backend, best first."""
         if not cls.uses_triton:
             return ("torch",)
         return ("flash-attn", "triton", "torch") if cls.runs_flash_attn else ("triton", "torch")

@@ -179,7 +179,7 @@ def test_installed_script_exits_2_on_a_damaged_model(tiny_dir, tmp_path):
     assert command, "the `ember` console script is not installed: pip install -e ."
     result = subprocess.run(
         [command, "--log-level", "warning", "generate", "--model-id", str(model_dir), "hi"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "EMBER_CPU_NATIVE": "0"},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "EMBER_BACKEND_OPTIONS": '{"native": false}'},
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

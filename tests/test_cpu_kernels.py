@@ -75,12 +75,11 @@ def test_build_reuses_the_cached_library_and_names_a_failing_compiler(tmp_path, 
 def test_load_is_off_when_asked_or_when_nothing_compiles(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_TRIED", False)
     monkeypatch.setattr(cpu_kernels, "_LOADED", None)
-    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
+    monkeypatch.setattr(cpu_kernels, "_SAID_OFF", False)
     with caplog.at_level("INFO", logger="ember.hardware.cpu_kernels"):
-        assert cpu_kernels.load() is None
-    assert "EMBER_CPU_NATIVE=0" in caplog.text
-    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
-    monkeypatch.delenv("EMBER_CPU_NATIVE")
+        assert cpu_kernels.load(enabled=False) is None
+    assert "native=false" in caplog.text
+    assert not cpu_kernels._TRIED  # nothing built or loaded: a later load() still tries
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
     caplog.clear()
@@ -97,7 +96,6 @@ def _sha256(path: Path) -> str:
 def first_load(tmp_path, monkeypatch):
     """`cpu_kernels.load` as on a process's first call, with the Ember cache in `tmp_path/cache`."""
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("EMBER_CPU_NATIVE", raising=False)
 
     def load():
         monkeypatch.setattr(cpu_kernels, "_TRIED", False)
@@ -422,10 +420,8 @@ def test_float32_model_gets_the_fused_ops_and_the_same_tokens(tiny_llama_dir, mo
     fusable = [m for m in llm.engine.model.modules() if isinstance(m, FusableOp)]
     assert fusable and all(m.fused is not None for m in fusable)
     fused = llm.generate(["hello there", "the quick brown fox"], params)
-    monkeypatch.setenv("EMBER_CPU_NATIVE", "0")
-    monkeypatch.setattr(cpu_kernels, "_TRIED", False)
-    monkeypatch.setattr(cpu_kernels, "_LOADED", None)
-    plain_llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32)
+    plain_llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32,
+                    backend_options={"native": "false"})
     assert all(m.fused is None for m in plain_llm.engine.model.modules() if isinstance(m, FusableOp))
     plain = plain_llm.generate(["hello there", "the quick brown fox"], params)
     for a, b in zip(fused, plain):

@@ -25,26 +25,25 @@ def kernels():
 
 
 @pytest.mark.parametrize(
-    "flags,environ,want",
+    "flags,forced,want",
     [
-        ({"avx2", "amx_bf16", "avx512_bf16"}, {}, "bf16"),
-        ({"avx2", "avx512f", "avx512_bf16"}, {}, "bf16"),
-        ({"avx2", "fma"}, {}, "fp32"),
-        ({"avx2", "amx_bf16"}, {"EMBER_CPU_PATH": "fp32"}, "fp32"),
-        ({"avx2"}, {"EMBER_CPU_PATH": "BF16"}, "bf16"),
-        ({"avx2"}, {"EMBER_CPU_BF16_COMPUTE": "1"}, "bf16"),
-        ({"avx2"}, {"EMBER_CPU_PATH": "auto"}, "fp32"),
+        ({"avx2", "amx_bf16", "avx512_bf16"}, "auto", "bf16"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "auto", "bf16"),
+        ({"avx2", "fma"}, "auto", "fp32"),
+        ({"avx2", "amx_bf16"}, "fp32", "fp32"),
+        ({"avx2"}, "BF16", "bf16"),
+        ({"avx2"}, "", "fp32"),
     ],
 )
-def test_the_path_follows_the_flags_unless_forced(flags, environ, want):
-    path, why = select_path(flags, environ)
+def test_the_path_follows_the_flags_unless_forced(flags, forced, want):
+    path, why = select_path(flags, forced)
     assert path == want
-    assert ("forced" in why) == any(v.lower() != "auto" for v in environ.values())
+    assert ("forced" in why) == (forced.lower() not in ("auto", ""))
 
 
 def test_an_unknown_path_is_named():
-    with pytest.raises(ValueError, match=r"EMBER_CPU_PATH='avx9'.*auto, bf16, fp32"):
-        select_path({"avx2"}, {"EMBER_CPU_PATH": "avx9"})
+    with pytest.raises(ValueError, match=r"path='avx9'.*auto, bf16, fp32"):
+        select_path({"avx2"}, "avx9")
 
 
 # oneDNN has no bf16 inner product on CPUs without AVX512-BF16/AMX (it refuses the
@@ -183,15 +182,15 @@ def test_forced_bf16_path_model_matches_transformers_bf16(tmp_path, monkeypatch,
     from ember.hardware import cpu
     from ember.models.layers import FusableOp, Linear
 
-    monkeypatch.setenv("EMBER_CPU_PATH", "bf16")
     if not packed:  # as on a CPU where oneDNN has no bf16 inner product
         monkeypatch.setattr(cpu, "packing_works", lambda: False)
     make_tiny_model(kind, tmp_path / "m", seed=3, tie_word_embeddings=tied)
     with caplog.at_level(logging.INFO, logger="ember.hardware.cpu"):
-        llm = LLM(model=str(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=64, block_size=4)
+        llm = LLM(model=str(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=64, block_size=4,
+                  backend_options={"path": "bf16"})
     model = llm.engine.model
     assert model.compute_dtype == torch.bfloat16
-    assert "bf16 path for bf16 models (forced by EMBER_CPU_PATH)" in caplog.text
+    assert "bf16 path for bf16 models (forced by the backend option path)" in caplog.text
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if packed and packing_works():
         assert linears and all(m.weight.is_mkldnn for m in linears)
@@ -228,17 +227,17 @@ def test_forced_bf16_path_model_matches_transformers_bf16(tmp_path, monkeypatch,
 def test_a_chunk_after_its_context_attends_as_one_causal_product(monkeypatch, dtype, heads, kv_heads, flash):
     """The context part (seen whole) and the chunk part (causal) merged by their
     log-sum-exps equal one causal product over context + chunk, in float64."""
-    from ember.hardware import cpu
+    from ember.hardware import cpu_attention
 
     if not flash:
-        monkeypatch.setattr(cpu, "_FLASH", None)  # a torch without the CPU flash op
+        monkeypatch.setattr(cpu_attention, "_FLASH", None)  # a torch without the CPU flash op
     torch.manual_seed(heads + kv_heads)
     n_ctx, n_new, dim = 37, 11, 16
     q = torch.randn(1, heads, n_new, dim)
     k, v = torch.randn(1, kv_heads, n_ctx + n_new, dim), torch.randn(1, kv_heads, n_ctx + n_new, dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    got = cpu._attend_after_context(q, k[:, :, :n_ctx], v[:, :, :n_ctx], k[:, :, n_ctx:], v[:, :, n_ctx:], 0.3,
-                                    heads != kv_heads)
+    got = cpu_attention._attend_after_context(q, k[:, :, :n_ctx], v[:, :, :n_ctx], k[:, :, n_ctx:], v[:, :, n_ctx:], 0.3,
+                                              heads != kv_heads)
     mask = torch.ones(n_new, n_ctx + n_new, dtype=torch.bool).tril(diagonal=n_ctx)
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
                                           enable_gqa=True)

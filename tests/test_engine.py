@@ -190,13 +190,12 @@ def test_sampled_token_logprobs(llm):
 
 def test_decode_attention_in_groups_gives_the_same_tokens(llm, monkeypatch):
     """The CPU backend runs decode attention in groups of requests sized to its cache
-    (DECODE_GROUP_BYTES); one request per group must give what one group gives."""
-    import ember.hardware.cpu as cpu
-
+    (its option decode_group_bytes); one request per group must give what one group gives."""
     prompts = [f"group {i} " * (1 + i) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     together = llm.generate(prompts, params)
-    monkeypatch.setattr(cpu, "DECODE_GROUP_BYTES", 1)
+    attention = llm.engine.runner.attention
+    monkeypatch.setattr(attention, "decode_group_bytes", 1)
     alone = llm.generate(prompts, params)
     for a, b in zip(together, alone):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -1,5 +1,5 @@
 """The flash-attn attention of the CUDA and ROCm backends (ember.hardware.flash_attention)
-and how a device backend chooses its attention (EMBER_ATTENTION).
+and how a device backend chooses its attention (its option attention).
 
 flash-attn's kernels need a GPU. Here the adapter runs against
 tests/flash_attn_reference.py, flash-attn's two paged entry points as its
@@ -39,7 +39,6 @@ def backends():
 @pytest.fixture
 def flash_attn(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_reference)
-    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
     return flash_attn_reference
 
 
@@ -85,36 +84,32 @@ def test_an_adapter_that_ignores_the_cached_context_fails_the_kit(backends, flas
 
 
 def test_flash_attn_is_chosen_where_installed_and_triton_otherwise(backends, flash_attn, monkeypatch, caplog):
-    monkeypatch.delenv("EMBER_ATTENTION")
     for name in ("cuda", "rocm"):
         assert isinstance(backends.get(name)().create_attention(), FlashAttention)
     assert isinstance(backends.get("xpu")().create_attention(), TritonAttention)  # no flash-attn build for XPU
-    monkeypatch.setenv("EMBER_ATTENTION", "triton")
-    assert isinstance(backends.get("cuda")().create_attention(), TritonAttention)
-    monkeypatch.setenv("EMBER_ATTENTION", "torch")
-    assert isinstance(backends.get("cuda")().create_attention(), CPUAttention)
+    assert isinstance(backends.get("cuda")({"attention": "triton"}).create_attention(), TritonAttention)
+    assert isinstance(backends.get("cuda")({"attention": "torch"}).create_attention(), CPUAttention)
 
 
 def test_without_flash_attn_the_gpu_backends_say_so_and_run_triton(backends, no_flash_attn, monkeypatch, caplog):
-    monkeypatch.delenv("EMBER_ATTENTION", raising=False)
     with caplog.at_level(logging.INFO, logger="ember.hardware.torch_device"):
         assert isinstance(backends.get("rocm")().create_attention(), TritonAttention)
     assert "attention by Triton paged-attention kernels; flash-attn is not installed" in caplog.text
-    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
-    with pytest.raises(ValueError, match=r"EMBER_ATTENTION=flash-attn, but flash-attn is not installed"):
-        backends.get("cuda")().create_attention()
+    with pytest.raises(ValueError, match=r"attention=flash-attn, but flash-attn is not installed"):
+        backends.get("cuda")({"attention": "flash-attn"}).create_attention()
 
 
 @pytest.mark.parametrize(("name", "value", "allowed"), [
-    ("cuda", "flashinfer", "flash-attn, triton, torch"),
     ("xpu", "flash-attn", "triton, torch"),
     ("gaudi", "triton", "torch"),
 ])
-def test_an_attention_the_backend_does_not_run_is_refused_by_name(backends, monkeypatch, name, value, allowed):
-    monkeypatch.setenv("EMBER_ATTENTION", value)
-    with pytest.raises(ValueError, match=f"EMBER_ATTENTION='{value}' is not an attention of the {name} backend; "
+def test_an_attention_the_backend_does_not_run_is_refused_by_name(backends, name, value, allowed):
+    with pytest.raises(ValueError, match=f"attention='{value}' is not an attention of the {name} backend; "
                                          f"choose auto or one of: {allowed}"):
-        backends.get(name)().create_attention()
+        backends.get(name)({"attention": value}).create_attention()
+    with pytest.raises(ValueError, match=f"the {name} backend's option attention='flashinfer' is invalid: "
+                                         "choose one of: auto, flash-attn, triton, torch"):
+        backends.get(name)({"attention": "flashinfer"})
 
 
 def _generate(model_dir, backend_cls, dtype, **engine_args):
@@ -149,11 +144,11 @@ def test_an_engine_on_flash_attn_takes_256_token_blocks_and_generates_as_triton_
     engine, flash_tokens = _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024)
     assert engine.kv_manager.block_size == 256 and engine.num_kv_cache_tokens == 1024
     assert isinstance(engine.runner.attention, FlashAttention)
-    monkeypatch.setenv("EMBER_ATTENTION", "triton")
-    engine, triton_tokens = _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024)
+    engine, triton_tokens = _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024,
+                                      backend_options={"attention": "triton"})
     assert engine.kv_manager.block_size == 16
     assert flash_tokens == triton_tokens
-    monkeypatch.setenv("EMBER_ATTENTION", "flash-attn")
     with pytest.raises(ValueError, match="block_size 16 does not suit the flash-attn attention, whose paged KV cache "
                                          "needs blocks of a multiple of 256 tokens"):
-        _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024, block_size=16)
+        _generate(tiny_llama_dir, cls, "bfloat16", num_kv_tokens=1024, block_size=16,
+                  backend_options={"attention": "flash-attn"})

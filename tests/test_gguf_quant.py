@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from ember.hardware import cpu_quant
+from ember.hardware import cpu_gguf, cpu_quant
+from ember.hardware.cpu_options import CPUOptions
 from ember.hardware.cpu_paths import cpu_flags
 from ember.models.loader import model_weight_bytes
 from ember.weights import gguf_quants
@@ -274,11 +275,10 @@ def test_the_op_runs_amx_tiles_as_the_prefill_mode_says(amx, monkeypatch):
 
     data = torch.from_numpy(random_blocks("Q4_1", 48, 256, seed=4))
     packed = amx.repack_x8(data, "Q4_1", 256)
-    x = torch.randn(cpu_quant.LARGE_ROWS + 40, 256)
+    x = torch.randn(cpu_gguf.LARGE_ROWS + 40, 256)
     monkeypatch.setattr(amx, "isa", "amx")
     for mode in ("bf16", "int8"):
-        monkeypatch.setenv("EMBER_GGUF_PREFILL", mode)
-        op = cpu_quant.GGUFLinearOp()
+        op = cpu_gguf.GGUFLinearOp(CPUOptions(gguf_prefill=mode))
         weight = op.prepare(GGUFWeight([("Q4_1", data)], 256))
         for rows in (3, cpu_quant.AMX_MIN_ROWS, cpu_quant.AMX_BF16_ROWS, len(x)):
             got = op(x[:rows], weight)
@@ -306,10 +306,10 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
 
     x = torch.randn(3, 256)
     reference = torch.nn.functional.linear(x, weight().dequantize())
-    op = cpu_quant.GGUFLinearOp()
+    op = cpu_gguf.GGUFLinearOp()
     prepared = op.prepare(weight())
     if kernels.isa != "ref":
-        assert isinstance(prepared, cpu_quant.PackedGGUFWeight)
+        assert isinstance(prepared, cpu_gguf.PackedGGUFWeight)
         assert [x8 for _, _, x8 in prepared.segments] == [True, False, False]  # Q4_K; Q8_0 of 4 rows
         assert prepared.nbytes == weight().nbytes and prepared.types == ("Q4_1", "Q4_K", "Q8_0")
     assert torch.equal(prepared.dequantize(), weight().dequantize())
@@ -317,12 +317,11 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
     x = torch.randn(20, 256)  # the x8 kernel beyond MAX_KERNEL_ROWS
     reference = torch.nn.functional.linear(x, weight().dequantize())
     assert ((op(x, prepared) - reference).abs() <= op.max_relative_error * reference.abs().max()).all()
-    many = torch.randn(cpu_quant.LARGE_ROWS + 44, 256)  # a prefill: as EMBER_GGUF_PREFILL says
+    many = torch.randn(cpu_gguf.LARGE_ROWS + 44, 256)  # a prefill: as the option gguf_prefill says
     reference = torch.nn.functional.linear(many, weight().dequantize())
     large = {}
-    for mode in cpu_quant.PREFILL_MODES:
-        monkeypatch.setenv("EMBER_GGUF_PREFILL", mode)
-        op = cpu_quant.GGUFLinearOp()
+    for mode in cpu_gguf.PREFILL_MODES:
+        op = cpu_gguf.GGUFLinearOp(CPUOptions(gguf_prefill=mode))
         assert op.prefill == mode
         large[mode] = got = op(many, op.prepare(weight()))
         assert got.dtype == torch.float32
@@ -331,7 +330,7 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
             # mode, except in bf16 mode on the amx ISA: from AMX_BF16_ROWS rows the AMX-BF16 tiles
             x8_only = GGUFWeight([weight().segments[0]], 256)
             packed = op.prepare(x8_only).segments[0][1]
-            rows = many[:cpu_quant.LARGE_ROWS]
+            rows = many[:cpu_gguf.LARGE_ROWS]
             want = kernels.linear_x8_bf16(rows, packed, "Q4_1") if len(rows) >= op.amx_bf16_rows else \
                 kernels.linear_x8(rows, packed, "Q4_1")
             assert torch.equal(op(rows, op.prepare(x8_only)), want)
@@ -340,14 +339,13 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
     if kernels.isa != "ref":
         assert not torch.allclose(large["int8"], reference, atol=1e-4)  # 8-bit activations
         assert not torch.equal(large["int8"], large["bf16"])
-    monkeypatch.setenv("EMBER_GGUF_PREFILL", "fast")
-    with pytest.raises(ValueError, match="EMBER_GGUF_PREFILL='fast' is not one of: auto, int8, bf16, float32"):
-        cpu_quant.GGUFLinearOp()
-    monkeypatch.delenv("EMBER_GGUF_PREFILL")
+    from ember.hardware.cpu import CPUBackend
 
-    monkeypatch.setenv("EMBER_GGUF_X8", "0")
-    kept = cpu_quant.GGUFLinearOp().prepare(weight())
-    assert not isinstance(kept, cpu_quant.PackedGGUFWeight)
+    with pytest.raises(ValueError, match="gguf_prefill='fast' is invalid: choose one of: auto, int8, bf16, float32"):
+        CPUBackend.parse_options({"gguf_prefill": "fast"})
+
+    kept = cpu_gguf.GGUFLinearOp(CPUOptions(gguf_x8=False)).prepare(weight())
+    assert not isinstance(kept, cpu_gguf.PackedGGUFWeight)
 
 
 @pytest.mark.parametrize("name", cpu_quant.KERNEL_TYPES)
@@ -360,36 +358,36 @@ def test_native_dequantize_and_many_rows_equal_the_float_linear(kernels, name):
 
 
 def test_prefill_mode_is_chosen_from_the_cpu_and_can_be_forced():
-    assert cpu_quant.select_prefill({"avx2", "fma", "f16c"}, {})[0] == "int8"
-    assert cpu_quant.select_prefill({"avx2", "avx512f", "avx512_bf16"}, {}) == (
+    assert cpu_gguf.select_prefill({"avx2", "fma", "f16c"})[0] == "int8"
+    assert cpu_gguf.select_prefill({"avx2", "avx512f", "avx512_bf16"}) == (
         "bf16", "the CPU backend's bf16 path: the CPU has AVX512-BF16")
-    assert cpu_quant.select_prefill({"avx2", "avx512_bf16"}, {"EMBER_CPU_PATH": "fp32"})[0] == "int8"
-    assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {})[0] == "bf16"
-    assert cpu_quant.select_prefill({"avx2", "amx_bf16"}, {"EMBER_GGUF_PREFILL": "Float32 "}) == (
-        "float32", "forced by EMBER_GGUF_PREFILL")
-    assert cpu_quant.select_prefill({"avx2"}, {"EMBER_GGUF_PREFILL": ""})[0] == "int8"
-    with pytest.raises(ValueError, match="EMBER_GGUF_PREFILL='int4'"):
-        cpu_quant.select_prefill(set(), {"EMBER_GGUF_PREFILL": "int4"})
+    assert cpu_gguf.select_prefill({"avx2", "avx512_bf16"}, path="fp32")[0] == "int8"
+    assert cpu_gguf.select_prefill({"avx2", "amx_bf16"})[0] == "bf16"
+    assert cpu_gguf.select_prefill({"avx2", "amx_bf16"}, "Float32 ") == (
+        "float32", "forced by the backend option gguf_prefill")
+    assert cpu_gguf.select_prefill({"avx2"}, "")[0] == "int8"
+    with pytest.raises(ValueError, match="gguf_prefill='int4'"):
+        cpu_gguf.select_prefill(set(), "int4")
 
 
 def test_isa_selection_and_forcing():
     avx2 = {"avx2", "fma", "f16c"}
     vnni = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     amx = vnni | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"}
-    assert cpu_quant.select_isa(avx2, {})[0] == "avx2"
-    assert cpu_quant.select_isa(vnni, {})[0] == "avx512vnni"
-    assert cpu_quant.select_isa(amx, {}) == ("amx", "the best this CPU runs (runnable: amx, avx512vnni, avx2, ref)")
-    assert cpu_quant.select_isa(amx, {"EMBER_QUANT_ISA": "avx512vnni"})[0] == "avx512vnni"
-    assert cpu_quant.select_isa(vnni | {"amx_bf16", "amx_tile"}, {})[0] == "avx512vnni"  # no AMX-INT8
-    with pytest.raises(ValueError, match="EMBER_QUANT_ISA='amx': this CPU lacks amx_tile, amx_int8"):
-        cpu_quant.select_isa(vnni, {"EMBER_QUANT_ISA": "amx"})
-    assert cpu_quant.select_isa(vnni, {"EMBER_QUANT_ISA": "ref"}) == ("ref", "forced by EMBER_QUANT_ISA")
-    with pytest.raises(ValueError, match="EMBER_QUANT_ISA='avx512vnni': this CPU lacks avx512f"):
-        cpu_quant.select_isa(avx2, {"EMBER_QUANT_ISA": "avx512vnni"})
+    assert cpu_quant.select_isa(avx2)[0] == "avx2"
+    assert cpu_quant.select_isa(vnni)[0] == "avx512vnni"
+    assert cpu_quant.select_isa(amx) == ("amx", "the best this CPU runs (runnable: amx, avx512vnni, avx2, ref)")
+    assert cpu_quant.select_isa(amx, "avx512vnni")[0] == "avx512vnni"
+    assert cpu_quant.select_isa(vnni | {"amx_bf16", "amx_tile"})[0] == "avx512vnni"  # no AMX-INT8
+    with pytest.raises(ValueError, match="quant_isa='amx': this CPU lacks amx_tile, amx_int8"):
+        cpu_quant.select_isa(vnni, "amx")
+    assert cpu_quant.select_isa(vnni, "ref") == ("ref", "forced by the backend option quant_isa")
+    with pytest.raises(ValueError, match="quant_isa='avx512vnni': this CPU lacks avx512f"):
+        cpu_quant.select_isa(avx2, "avx512vnni")
     with pytest.raises(ValueError, match="'sse' is not one of"):
-        cpu_quant.select_isa(avx2, {"EMBER_QUANT_ISA": "sse"})
+        cpu_quant.select_isa(avx2, "sse")
     with pytest.raises(RuntimeError, match="lacks avx2, fma, f16c"):
-        cpu_quant.select_isa({"sse2"}, {})
+        cpu_quant.select_isa({"sse2"})
 
 
 def test_kernel_errors_name_the_problem(kernels):
@@ -651,7 +649,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     at the 95th percentile and 0.6 at most over 144 tokens. Prefill (a 260-token text,
     teacher-forced): the same bounds. Measured on an AMD EPYC (AVX-512 VNNI and BF16):
     decode max 0.50, mean 0.049, p95 0.146; prefill in bf16 mode max 0.14, mean 0.026,
-    p95 0.060, in int8 mode (EMBER_GGUF_PREFILL=int8) max 0.37, mean 0.057, p95 0.153.
+    p95 0.060, in int8 mode (option gguf_prefill=int8) max 0.37, mean 0.057, p95 0.153.
     Before prompts took these paths (exact prefill), decode measured max 0.22-0.41, mean
     0.031-0.035, p95 0.09-0.13 (AMD AVX2, Intel VNNI). The maximum is one token's: 8-bit
     activations turn a 1e-7 difference in summation order into a different rounding of
@@ -663,7 +661,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     scored within 0.35 nat of its best (a near tie: its second choice, or with float16
     K/V once its third, at a three-way tie whose second lay 0.21 nat below the best);
     measured, 3 or 4 of these 6 conversations part. With
-    EMBER_GGUF_PREFILL=float32 (dequantized float32 tiles) the prefill gives the float
+    gguf_prefill=float32 (dequantized float32 tiles) the prefill gives the float
     model's logprobs to 1e-4."""
     from ember import LLM, SamplingParams
     from ember.weights import convert_gguf_to_hf
@@ -686,8 +684,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
     teacher_ids = llm.get_tokenizer().encode(TEACHER_TEXT)
     native_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
     del llm
-    monkeypatch.setenv("EMBER_GGUF_PREFILL", "float32")
-    llm = LLM(str(native_dir), **kwargs)
+    llm = LLM(str(native_dir), **kwargs, backend_options={"gguf_prefill": "float32"})
     exact_teacher = llm.generate(prompt_token_ids=[teacher_ids], sampling_params=teacher_params)[0]
     del llm
 
@@ -711,7 +708,7 @@ def test_smollm2_q4_1_native_matches_the_float32_model(smollm2_dir, smollm2_gguf
         scored=[(len(o.prompt_token_ids), ref.prompt_logprobs) for o, ref in zip(native, scored)],
     )
     assert parted <= 4
-    assert len(teacher_ids) > cpu_quant.LARGE_ROWS
+    assert len(teacher_ids) > cpu_gguf.LARGE_ROWS
 
     def prefill_diffs(run):
         return [abs(a[t].logprob - b[t].logprob)

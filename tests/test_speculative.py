@@ -2,7 +2,7 @@
 the n-gram speculator, exactness against decoding without speculation, the output
 distribution under sampling, and the engine's step-aside rules.
 
-Exactness is checked in batch-invariant mode (EMBER_BATCH_INVARIANT=1, the CPU
+Exactness is checked in batch-invariant mode (the CPU backend's option batch_invariant, the CPU
 backend computing every token's numbers independently of what shares its step):
 there a speculator can change outputs only through a wrong verification, not
 through kernels whose summation order follows the number of rows in a product."""
@@ -91,7 +91,11 @@ REPEATING = [
 
 @pytest.fixture
 def batch_invariant(monkeypatch):
-    monkeypatch.setenv("EMBER_BATCH_INVARIANT", "1")
+    """Every CPU backend the test builds in batch-invariant mode, as the option
+    ``backend_options={"batch_invariant": "1"}`` sets it on one engine."""
+    from ember.hardware.cpu import CPUBackend
+
+    monkeypatch.setattr(CPUBackend, "batch_invariant", property(lambda self: True))
 
 
 def _outputs(llm, prompts, params):

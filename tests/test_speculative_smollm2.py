@@ -1,6 +1,6 @@
 """Speculative decoding on the real default model (SmolLM2-135M-Instruct): greedy
 outputs with n-gram drafts equal those without, token for token, in batch-invariant
-mode (EMBER_BATCH_INVARIANT=1: every token's numbers independent of what shares its
+mode (the CPU backend's option batch_invariant: every token's numbers independent of what shares its
 step, so that only the verification itself could change an output), with drafts
 accepted along the way."""
 
@@ -23,8 +23,8 @@ TASKS = [
 
 
 def test_ngram_on_smollm2_gives_the_greedy_tokens_without_speculation(smollm2_dir, monkeypatch):
-    monkeypatch.setenv("EMBER_BATCH_INVARIANT", "1")
-    args = dict(dtype="bfloat16", max_model_len=512, num_kv_tokens=2048, max_num_batched_tokens=64)
+    args = dict(dtype="bfloat16", max_model_len=512, num_kv_tokens=2048, max_num_batched_tokens=64,
+                backend_options={"batch_invariant": "1"})
     plain = LLM(str(smollm2_dir), **args)
     prompts = [encode_chat(plain.get_tokenizer(), [{"role": "user", "content": t}])[1] for t in TASKS]
     params = SamplingParams(temperature=0, max_tokens=40)

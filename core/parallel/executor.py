@@ -96,7 +96,7 @@ class ParallelExecutor:
         else:
             addr, port, local_world = "127.0.0.1", free_port(), self.world_size
         # one device per rank on a machine with several: rank r takes the driver's index + r
-        device_index = int(os.environ.get("EMBER_DEVICE_INDEX", "0"))
+        device_index = getattr(getattr(backend, "options", None), "device_index", 0)
         threads = threads_per_rank(num_threads, local_world) if config.num_threads is None else config.num_threads
         level = logging.getLogger().getEffectiveLevel()
         args = WorkerArgs(

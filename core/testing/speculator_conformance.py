@@ -17,9 +17,7 @@ AssertionError naming the first broken rule.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +33,6 @@ PROMPTS = [
     [5, 6, 7] * 3,
 ]
 _NAME = "under-check"
-
-
-@contextmanager
-def _batch_invariant():
-    """The CPU backend's batch-invariant mode: a verification step computes a token's
-    numbers exactly as a plain decode does, so that greedy tokens can be compared."""
-    old = os.environ.get("EMBER_BATCH_INVARIANT")
-    os.environ["EMBER_BATCH_INVARIANT"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["EMBER_BATCH_INVARIANT"]
-        else:
-            os.environ["EMBER_BATCH_INVARIANT"] = old
 
 
 class _ContractRecorder:
@@ -176,48 +159,50 @@ def check_speculator(
             **(config or {}), "method": _NAME}
     # blocks of 4, 40 of them (160 tokens for requests of up to ~77): preemption; a
     # 16-token step budget: chunked prefill; the last prompt shares a prefix with the first
+    # the CPU backend's batch-invariant mode: a verification step computes a token's
+    # numbers exactly as a plain decode does, so that greedy tokens can be compared
     engine_args = dict(model=str(model_dir), dtype="float32", backend="cpu", block_size=4, num_kv_blocks=40,
-                       max_num_batched_tokens=16, enable_prefix_caching=True, max_model_len=256)
+                       max_num_batched_tokens=16, enable_prefix_caching=True, max_model_len=256,
+                       backend_options={"batch_invariant": "1"})
     greedy = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     all_prompts = list(prompts) + [list(prompts[0][: max(1, len(prompts[0]) // 2)])]
-    with _batch_invariant():
-        plain = LLMEngine(EngineConfig(**engine_args), create_plugin_manager())
-        expected = _generate(plain, all_prompts, [greedy] * len(all_prompts))
-        del plain
-        engine = LLMEngine(EngineConfig(**engine_args, speculative_config=spec),
-                           create_plugin_manager(extra_plugins=((_NAME, _Plugin()),)))
-        decoder = engine.core.speculator
-        assert decoder is not None and isinstance(decoder.speculator, cls), (
-            f"the engine did not build {cls.__name__} for method {_NAME!r}"
+    plain = LLMEngine(EngineConfig(**engine_args), create_plugin_manager())
+    expected = _generate(plain, all_prompts, [greedy] * len(all_prompts))
+    del plain
+    engine = LLMEngine(EngineConfig(**engine_args, speculative_config=spec),
+                       create_plugin_manager(extra_plugins=((_NAME, _Plugin()),)))
+    decoder = engine.core.speculator
+    assert decoder is not None and isinstance(decoder.speculator, cls), (
+        f"the engine did not build {cls.__name__} for method {_NAME!r}"
+    )
+    recorder = _ContractRecorder(decoder.speculator, engine.model_info.vocab_size)
+    got = _generate(engine, all_prompts, [greedy] * len(all_prompts))
+    assert recorder.broken is None, recorder.broken
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert a == b, (
+            f"{cls.__name__}: greedy tokens of prompt {i} with speculation differ from those without: "
+            f"{a} vs {b}"
         )
-        recorder = _ContractRecorder(decoder.speculator, engine.model_info.vocab_size)
-        got = _generate(engine, all_prompts, [greedy] * len(all_prompts))
-        assert recorder.broken is None, recorder.broken
-        for i, (a, b) in enumerate(zip(got, expected)):
-            assert a == b, (
-                f"{cls.__name__}: greedy tokens of prompt {i} with speculation differ from those without: "
-                f"{a} vs {b}"
-            )
-        stats = decoder.stats
-        if expect_drafts:
-            assert recorder.num_drafts > 0 and stats.num_draft_tokens > 0, (
-                f"{cls.__name__} proposed no draft in {recorder.num_calls} calls on prompts that repeat themselves "
-                "(pass expect_drafts=False if it may not)"
-            )
-        kv = engine.kv_manager
-        assert kv.num_free_blocks == kv.num_blocks, (
-            f"{kv.num_blocks - kv.num_free_blocks} KV blocks still held after every request finished"
+    stats = decoder.stats
+    if expect_drafts:
+        assert recorder.num_drafts > 0 and stats.num_draft_tokens > 0, (
+            f"{cls.__name__} proposed no draft in {recorder.num_calls} calls on prompts that repeat themselves "
+            "(pass expect_drafts=False if it may not)"
         )
-        sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=num_tokens // 2, ignore_eos=True)
-                   for i in range(len(prompts))]
-        first = _generate(engine, list(prompts), sampled)
-        assert recorder.broken is None, recorder.broken
-        del engine, decoder
-        # the same requests in the same order on a second engine built alike: the same tokens
-        again = LLMEngine(EngineConfig(**engine_args, speculative_config=spec),
-                          create_plugin_manager(extra_plugins=((_NAME, _Plugin()),)))
-        _generate(again, all_prompts, [greedy] * len(all_prompts))
-        second = _generate(again, list(prompts), sampled)
-        assert first == second, (
-            f"{cls.__name__}: seeded sampled requests gave different tokens on a second engine built alike"
-        )
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks, (
+        f"{kv.num_blocks - kv.num_free_blocks} KV blocks still held after every request finished"
+    )
+    sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=num_tokens // 2, ignore_eos=True)
+               for i in range(len(prompts))]
+    first = _generate(engine, list(prompts), sampled)
+    assert recorder.broken is None, recorder.broken
+    del engine, decoder
+    # the same requests in the same order on a second engine built alike: the same tokens
+    again = LLMEngine(EngineConfig(**engine_args, speculative_config=spec),
+                      create_plugin_manager(extra_plugins=((_NAME, _Plugin()),)))
+    _generate(again, all_prompts, [greedy] * len(all_prompts))
+    second = _generate(again, list(prompts), sampled)
+    assert first == second, (
+        f"{cls.__name__}: seeded sampled requests gave different tokens on a second engine built alike"
+    )

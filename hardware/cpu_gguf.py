@@ -1,0 +1,250 @@
+"""The CPU backend's product for GGUF weights (``GGUFLinearOp``, the ``"gguf"``
+format) and the packed form it keeps them in (``PackedGGUFWeight``), over the native
+kernels of ``ember.hardware.cpu_quant``.
+
+Few rows (a decode step) run the integer kernel on the packed bytes; many rows
+(prefill) dequantize the weight into float32 tiles and run PyTorch's GEMM, which is
+compute-bound there and faster than integer dot products one row at a time
+(``cpu_quant.MAX_KERNEL_ROWS`` is the crossover measured on SmolLM2's shapes).
+
+Weights in the x8 layout (Q4_0, Q4_1, Q8_0, rows a multiple of 8) take the integer
+kernel up to ``LARGE_ROWS`` rows. Larger products (prompt chunks, the largest
+batches) run as ``select_prefill`` chose at startup, logged: ``bf16`` (dequantized
+bfloat16 tiles through PyTorch's GEMM) where the CPU multiplies bfloat16 natively
+(avx512_bf16, amx_bf16), else ``int8`` (the integer kernel, as llama.cpp does); the
+CPU backend's option ``gguf_prefill=int8|bf16|float32`` forces one, ``float32`` being
+exact (float tiles: the dequantized model's numbers). Its option ``gguf_x8=false``
+keeps every weight as read (the one-row kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ember.hardware.cpu_options import CPUOptions
+from ember.hardware.cpu_paths import cpu_flags, select_path
+from ember.hardware.cpu_quant import (
+    AMX_BF16_MAX_ROWS, AMX_BF16_ROWS, AMX_MIN_ROWS, ISA_IDS, MAX_KERNEL_ROWS, X8_TYPES, QuantKernels, check_weight,
+    load,
+)
+from ember.plugin.quantizer import QuantizedLinearOp, QuantizedWeight
+from ember.weights.gguf_quants import QUANT_TYPES, quant_type
+
+logger = logging.getLogger(__name__)
+
+# x8 weights: the kernel up to this many rows, at least. On SmolLM2's shapes it beat
+# dequantize + float32 GEMM at every size measured: Intel Xeon (VNNI), 8 to 256 rows
+# (Q4_1 1536x576: 32 rows 0.22 against 0.48 ms; the Q8_0 LM head 49152x576 at 32 rows
+# 7.6 against 47.6 ms); AMD EPYC (AVX-512 VNNI), 64 to 2048 rows, 3-4x. Dequantized
+# bfloat16 tiles on that EPYC (avx512_bf16), 30 layers: 128 rows 71 against 44 ms
+# (int8), 256 rows even, 512 rows 184 against 235, 2048 rows 589 against 724.
+LARGE_ROWS = 256
+PREFILL_MODES = ("int8", "bf16", "float32")
+TILE_VALUES = 1 << 22  # weight values dequantized per GEMM tile (16 MiB of float32)
+_TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
+
+
+def select_prefill(flags: set[str] | None = None, mode: str = "auto", path: str = "auto") -> tuple[str, str]:
+    """``(mode, why)``: how products of more than ``LARGE_ROWS`` rows run (one of
+    ``PREFILL_MODES``). ``mode`` (the CPU backend's option ``gguf_prefill``) unless
+    ``auto``; else ``bf16`` where the CPU backend runs bf16 models on its bf16 path
+    (``cpu_paths.select_path`` with ``path``, its option: AMX or AVX512-BF16, where
+    oneDNN's bfloat16 GEMM outruns the integer kernel), ``int8`` elsewhere (emulated
+    bfloat16 would not). ValueError naming an unknown mode."""
+    forced = mode.strip().lower() or "auto"
+    if forced != "auto":
+        if forced not in PREFILL_MODES:
+            raise ValueError(f"gguf_prefill={forced!r} is not one of: auto, {', '.join(PREFILL_MODES)}")
+        return forced, "forced by the backend option gguf_prefill"
+    chosen, why = select_path(flags, path)
+    return ("bf16" if chosen == "bf16" else "int8"), f"the CPU backend's {chosen} path: {why}"
+
+
+class PackedGGUFWeight(QuantizedWeight):
+    """The CPU kernels' form of a ``GGUFWeight``: ``segments`` is ``[(type name, uint8
+    (rows, row bytes), x8)]``, each Q4_0 / Q4_1 / Q8_0 segment whose rows are a multiple
+    of 8 repacked into the x8 layout (``x8`` True: the same size, 8 rows per product),
+    the others as read. ``dequantize`` gives the same numbers as the weight it came from."""
+
+    format = "gguf"
+
+    def __init__(self, weight, kernels: QuantKernels) -> None:
+        super().__init__(weight.shape)
+        K = weight.shape[1]
+        self.kernels = kernels
+        self.segments = []
+        for type_name, data in weight.segments:
+            x8 = kernels.x8_layout(type_name, data.shape[0])
+            self.segments.append((type_name, kernels.repack_x8(data, type_name, K) if x8 else data, x8))
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(t for t, _, _ in self.segments)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{t.lower()}_{i}{'_x8' if x8 else ''}": d for i, (t, d, x8) in enumerate(self.segments)}
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        K = self.shape[1]
+        return torch.cat([
+            self.kernels.dequantize_x8(d, t, K) if x8 else quant_type(t).dequantize(d) for t, d, x8 in self.segments
+        ]).to(dtype)
+
+
+class GGUFLinearOp(QuantizedLinearOp):
+    """The CPU backend's product for ``"gguf"`` weights (``ember.plugins.quantizers.gguf.
+    GGUFWeight``): float32 activations (bfloat16 ones are widened, and the result rounded
+    back) through ``QuantKernels``; without the native library, the dequantized weight
+    through PyTorch. Each segment of a joined weight is one kernel call. ``prepare``
+    repacks Q4_0 / Q4_1 / Q8_0 segments into the x8 layout (``PackedGGUFWeight``) unless
+    ``options.gguf_x8`` is off or the ISA is ``ref``. ``options``: the CPU backend's
+    (``CPUOptions``; default: the defaults).
+
+    Per call it does little in Python: a decode step of SmolLM2 makes 211 of these
+    products, so the checks of ``QuantKernels.linear`` run once, in ``prepare``."""
+
+    format = "gguf"
+    # rounding the activation to 8 bits per block of 32 moves each value by up to half a
+    # step of max|x_b| / 127: over random rows, up to about 1e-2 of the largest output
+    # (1.1e-2 seen with random Q4_K bytes, whose large sub-block offsets add up);
+    # tests/test_gguf_quant.py bounds the error of every output exactly
+    max_relative_error = 2e-2
+
+    def __init__(self, options: CPUOptions | None = None) -> None:
+        options = options or CPUOptions()
+        self.kernels = load(options.quant_isa, enabled=options.native)
+        self._scratch = torch.empty(0)
+        self._scratch_bf16 = torch.empty(0, dtype=torch.bfloat16)
+        self.x8 = False
+        self.prefill, why = select_prefill(mode=options.gguf_prefill, path=options.path)
+        # x8 products of this many rows or more run on AMX-BF16 tiles (amx ISA, bf16 mode)
+        self.amx_bf16_rows = sys.maxsize
+        if self.kernels is not None:
+            self._linear_f32 = self.kernels._linear_f32
+            self._linear_x8 = self.kernels._linear_x8
+            self._linear_x8_bf16 = self.kernels._linear_x8_bf16
+            self._isa = ISA_IDS[self.kernels.isa]
+            off = "option gguf_x8=false" if not options.gguf_x8 else \
+                "ref ISA" if self.kernels.isa == "ref" else None
+            self.x8 = off is None
+            tiles = ""
+            if self.x8 and self.kernels.isa == "amx":
+                tiles = f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows"
+                if self.prefill == "bf16" and {"amx_bf16", "avx512_bf16"} <= cpu_flags():
+                    self.amx_bf16_rows = AMX_BF16_ROWS
+                    tiles = (f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows, AMX-BF16 tiles from {AMX_BF16_ROWS} "
+                             f"to {AMX_BF16_MAX_ROWS}")
+            logger.info("GGUF %s weights: %s%s; products of more than %d rows: %s (%s)", "/".join(X8_TYPES),
+                        "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles, LARGE_ROWS,
+                        self.prefill, why)
+
+    def prepare(self, weight):
+        if isinstance(weight, PackedGGUFWeight):
+            segments = weight.segments
+        else:
+            for type_name, data in weight.segments:
+                check_weight(data, type_name, weight.shape[1])
+            if self.x8:
+                weight = PackedGGUFWeight(weight, self.kernels)
+                segments = weight.segments
+            else:
+                segments = [(t, d, False) for t, d in weight.segments]
+        weight.kernel_plan = [
+            (quant_type(t).type_id, d, d.shape[0], self.kernels is not None and self.kernels.has_kernel(t),
+             d.data_ptr(), x8)
+            for t, d, x8 in segments
+        ]
+        return weight
+
+    def __call__(self, x, weight, bias=None):
+        dtype = x.dtype
+        K = weight.shape[1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)
+        if dtype != torch.float32:
+            x2 = x2.float()
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+        plan = weight.kernel_plan
+        if self.kernels is None:
+            y = torch.nn.functional.linear(x2, weight.dequantize(torch.float32), b)
+        elif len(plan) == 1:
+            y = self._segment(x2, plan[0], K, b)
+        else:
+            y = torch.cat([self._segment(x2, p, K, None) for p in plan], dim=1)
+            if b is not None:
+                y += b
+        if dtype != torch.float32:
+            y = y.to(dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
+
+    def embedding(self, ids, weight):
+        """Rows ``ids`` of the weight, dequantized (a tied LM head's rows as the token
+        embedding), through the native row lookup; without the library, in PyTorch."""
+        plan = weight.kernel_plan
+        if self.kernels is None or len(plan) != 1 or not plan[0][3]:
+            return super().embedding(ids, weight)
+        type_id, data, _, _, _, x8 = plan[0]
+        return self.kernels.rows(data, _TYPE_NAMES[type_id], weight.shape[1], ids, x8)
+
+    def _segment(self, x, plan, K, bias):
+        type_id, data, N, has_kernel, data_ptr, x8 = plan
+        M = x.shape[0]
+        large = M > LARGE_ROWS
+        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS:
+            y = torch.empty(M, N, dtype=torch.float32)
+            rc = self._linear_x8_bf16(type_id, data_ptr, N, K, x.data_ptr(), M,
+                                      bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                      torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"GGUF AMX-BF16 kernel failed ({rc}) for type {type_id} ({N}, {K})")
+            return y
+        if has_kernel and (M <= MAX_KERNEL_ROWS or x8 and (not large or self.prefill == "int8")):
+            y = torch.empty(M, N, dtype=torch.float32)
+            call = self._linear_x8 if x8 else self._linear_f32
+            rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"GGUF kernel failed ({rc}) for type {type_id} ({N}, {K}, x8={x8})")
+            return y
+        kernels = self.kernels
+        # many rows: dequantize tiles of weight rows into a reused buffer, F.linear each
+        # tile (torch.mm into slices of a transposed output ran 2x slower here), the
+        # buffer bounded for a large LM head; x8 tiles hold whole groups of 8 rows. In
+        # bf16 mode a large product rounds each tile and the activations to bfloat16.
+        tile = max(8, min(N, TILE_VALUES // K) // 8 * 8)
+        if self._scratch.numel() < tile * K:
+            self._scratch = torch.empty(tile * K, dtype=torch.float32)
+        half = large and self.prefill == "bf16"
+        if half:
+            if self._scratch_bf16.numel() < tile * K:
+                self._scratch_bf16 = torch.empty(tile * K, dtype=torch.bfloat16)
+            x = x.to(torch.bfloat16)
+            bias = bias.to(torch.bfloat16) if bias is not None else None
+        type_name = _TYPE_NAMES[type_id]
+        outs = []
+        for start in range(0, N, tile):
+            rows = min(tile, N - start)
+            w = self._scratch[: rows * K].view(rows, K)
+            part = data[start : start + rows]
+            if x8:
+                kernels._dequant_x8(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
+            elif has_kernel:
+                kernels._dequant(type_id, part.data_ptr(), rows, K, w.data_ptr(), torch.get_num_threads())
+            else:
+                w.copy_(quant_type(type_name).dequantize(part))
+            if half:
+                w = self._scratch_bf16[: rows * K].view(rows, K).copy_(w)
+            outs.append(torch.nn.functional.linear(x, w, None if bias is None else bias[start : start + rows]))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y.float() if half else y
+
+
+
+def linear_ops(options: CPUOptions | None = None) -> dict:
+    """The quantized formats this module runs, by format: zero-argument factories of
+    their ops built with the CPU backend's ``options`` (the CPU backend's registry)."""
+    return {GGUFLinearOp.format: lambda: GGUFLinearOp(options)}

@@ -1,0 +1,88 @@
+"""The CPU backend's options (``ember backends options cpu``): every knob its modules
+read, set by the user as ``--backend-option key=value`` (``EMBER_BACKEND_OPTIONS``,
+``EngineConfig.backend_options``) and handed down from ``CPUBackend.options``. Nothing
+here reads the environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ember.plugin.backend import BackendOptions, option
+
+DEFAULT_DECODE_GROUP_BYTES = 4 << 20
+# products of at most this many rows read plain bf16 weights through the native kernel,
+# by path: SmallBatchLinear (fp32 path) and PackedLinear (bf16 path, where oneDNN's
+# packed product was as fast at 4 rows and faster at 8)
+DEFAULT_SMALL_BATCH_ROWS = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class CPUOptions(BackendOptions):
+    """The CPU backend's knobs. Each default is what runs when nothing is set."""
+
+    path: Literal["auto", "bf16", "fp32"] = option(
+        "auto",
+        "How a bfloat16 model computes (ember.hardware.cpu_paths). auto: bf16 on CPUs with AMX or "
+        "AVX512-BF16 (bf16 math on oneDNN-packed weights, a bf16 KV cache), else fp32 (bf16 is a storage "
+        "dtype; products, activations and the KV cache in float32, PyTorch's bf16 GEMM being slower there). "
+        "Forcing bf16 on a CPU without native bf16 is slow; fp32 on one with it costs speed, not accuracy.",
+    )
+    native: bool = option(
+        True,
+        "Use the native C kernels (compiled at first use: attention on the paged cache, small-batch bf16 "
+        "products, fused RMSNorm/RoPE/SiLU, greedy sampling, the GGUF kernels, CPU graphs). false: PyTorch "
+        "runs everything (slower; a check that the kernels change nothing but speed).",
+    )
+    linear: Literal["onednn", "plain"] = option(
+        "onednn",
+        "The dense matrix product. onednn: oneDNN's linear (faster than F.linear at every batch size measured) "
+        "and, on the bf16 path, weights repacked into oneDNN's blocked layout at load. plain: F.linear on "
+        "weights as loaded (no packed copies; less memory, slower).",
+    )
+    small_batch_rows: int | None = option(
+        None,
+        "Products of at most this many rows read plain bf16 weight copies through the native kernel "
+        "(decode of a small batch, bound by reading the weights). auto: 4 on the fp32 path, 2 on the bf16 "
+        "path; 0 keeps no copies (saves their memory: half the float32 weights' bytes on the fp32 path, "
+        "the bf16 weights' bytes again on the bf16 path).",
+    )
+    decode_group_bytes: int = option(
+        DEFAULT_DECODE_GROUP_BYTES,
+        "Without the native decode kernel, decodes gather their K and V in groups of about this many bytes "
+        "so that a group stays in the CPU's cache (default 4 MiB). Larger: fewer, bigger gathers that spill "
+        "the cache; smaller: more calls.",
+    )
+    batch_invariant: bool = option(
+        False,
+        "Every token's numbers independent of what shares its step (batch mates, chunking, draft tokens, "
+        "recomputation after preemption): row-by-row products and decode-style attention for every token. "
+        "Slower; for checking that scheduling and speculation never change outputs (docs/speculative.md).",
+    )
+    quant_isa: Literal["auto", "amx", "avx512vnni", "avx2", "ref"] = option(
+        "auto",
+        "The instruction set of the GGUF kernels (ember.hardware.cpu_quant). auto: the best the CPU runs. "
+        "A forced one the CPU lacks is refused, naming the missing flags; ref is plain C (the check for the others).",
+    )
+    gguf_x8: bool = option(
+        True,
+        "Repack Q4_0/Q4_1/Q8_0 GGUF weights (rows a multiple of 8) into the x8 layout at load: 8 rows per "
+        "product, the integer kernel up to 256 rows. false: every weight as read, one-row kernels.",
+    )
+    gguf_prefill: Literal["auto", "int8", "bf16", "float32"] = option(
+        "auto",
+        "How GGUF products of more than 256 rows (long prompts) run. auto: bf16 where the CPU multiplies "
+        "bfloat16 natively (the bf16 path), else int8. int8: the integer kernel (llama.cpp's way); bf16: "
+        "dequantized bfloat16 tiles through oneDNN; float32: dequantized float32 tiles (exact: the "
+        "dequantized model's numbers, slowest).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.small_batch_rows is not None and self.small_batch_rows < 0:
+            raise ValueError(f"small_batch_rows must be >= 0 or auto, got {self.small_batch_rows}")
+        if self.decode_group_bytes < 1:
+            raise ValueError(f"decode_group_bytes must be >= 1, got {self.decode_group_bytes}")
+
+    def small_batch_rows_for(self, path: str) -> int:
+        """``small_batch_rows`` on ``path`` (``fp32`` or ``bf16``)."""
+        return DEFAULT_SMALL_BATCH_ROWS[path] if self.small_batch_rows is None else self.small_batch_rows
