@@ -28,6 +28,8 @@ from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
 from ember.api.routes.common import CommonRoutes
+from ember.api.routes.openai_chat import ChatRoutes
+from ember.api.routes.openai_completions import CompletionRoutes
 from ember.api.routes.tgi import TGIRoutes
 from ember.api.service import GenerationService, Lifecycle, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
@@ -80,12 +82,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     else:
         tracing = Tracing(None)
     routes = CommonRoutes(service, lifecycle).routes() + TGIRoutes(service).routes() + metrics.routes()
-    try:
-        from ember.api.routes.openai import OpenAIRoutes
-    except ImportError:  # pragma: no cover - during development only
-        OpenAIRoutes = None
-    if OpenAIRoutes is not None:
-        routes += OpenAIRoutes(service).routes()
+    routes += CompletionRoutes(service).routes() + ChatRoutes(service).routes()
     routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 

@@ -1,11 +1,9 @@
-"""OpenAI routes: /v1/completions and /v1/chat/completions.
+"""What the OpenAI routes share (each route is its own module: `openai_chat` for
+/v1/chat/completions, `openai_completions` for /v1/completions): `OpenAIRoutes`, their
+base (sampling fields to `SamplingParams`, admission, streaming, failures), and the
+response pieces (choices, usage, logprobs).
 
 One model is served, so `model` is echoed back whatever it names (as TGI does).
-A list prompt in /v1/completions runs as one engine request per prompt, all
-concurrently, and takes one slot of --max-concurrent-requests per prompt: a list
-of 8 prompts weighs on the server like 8 clients, and is refused (429) as a whole
-when that many slots are not free.
-
 A constrained request (structured outputs, a forced tool call) waits for its first
 engine output before answering, streams included, so that a grammar that fails to
 compile is a 400 (`ember.api.structured_outputs`). On chat, a tool-call parser
@@ -21,36 +19,29 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-from jinja2 import TemplateError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ember.api.errors import (
     APIError,
     Flavor,
-    bad_request,
-    error_response,
-    not_available,
     sse_error_event,
     validation_error,
 )
-from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
-from ember.api.openapi import documented
+from ember.api.http import ClientDisconnected, EventStreamResponse, sse_event, unless_disconnected
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService, with_watermark
-from ember.api.structured_outputs import check_backend, failure, openai_constraint
-from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
+from ember.api.structured_outputs import failure
 from ember.outputs import OutputKind, RequestOutput
 from ember.plugin.grammar import Constraint
-from ember.plugin.tool_parser import BaseToolParser, ParserDelta
 from ember.sampling_params import SamplingParams
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
-class _Job:
+class Job:
     """One engine request behind one choice of the answer."""
 
     index: int
@@ -63,7 +54,7 @@ class _Job:
 
 
 @dataclass(frozen=True, slots=True)
-class _Reply:
+class Reply:
     """What every object of one answer shares."""
 
     id: str
@@ -90,7 +81,7 @@ def choice_view(out: RequestOutput) -> RequestOutput:
     return replace(out, outputs=[replace(completion, index=0)], finished=completion.finish_reason is not None)
 
 
-class _Pending:
+class Pending:
     """A streamed choice's tokens (and logprobs) not reported yet: a step whose text is
     held back (a possible stop string, an incomplete character) reports its tokens'
     logprobs with the next chunk that has text, or the last one."""
@@ -110,7 +101,7 @@ class _Pending:
         return view
 
 
-def per_choice(jobs: list[_Job]) -> list[_Job]:
+def per_choice(jobs: list[Job]) -> list[Job]:
     """The job behind each returned choice, in choice order."""
     return [job for job in jobs for _ in range(job.params.n)]
 
@@ -121,36 +112,7 @@ def finish_reason(out: RequestOutput, has_tool_calls: bool = False) -> str:
     return "tool_calls" if has_tool_calls else "stop"
 
 
-def tool_call_pieces(delta: ParserDelta, max_calls: int | None) -> list[dict]:
-    """A parser's call pieces as OpenAI's `delta.tool_calls` entries."""
-    pieces = []
-    for piece in delta.tool_calls:
-        if max_calls is not None and piece.index >= max_calls:
-            continue
-        function = {"arguments": piece.arguments}
-        entry: dict = {"index": piece.index, "function": function}
-        if piece.id is not None:
-            entry.update(id=piece.id, type="function")
-            function["name"] = piece.name
-        pieces.append(entry)
-    return pieces
-
-
-def assistant_message(text: str, setup: ToolSetup) -> tuple[oa.AssistantMessage, bool]:
-    """The answer as a message (its tool calls read by the chat's parser), and whether
-    it holds calls."""
-    if setup.parser is None:
-        return oa.AssistantMessage(content=text), False
-    parsed = setup.parser().parse(text)
-    calls = parsed.tool_calls[: setup.max_calls]
-    if not calls:
-        return oa.AssistantMessage(content=text), False
-    return oa.AssistantMessage(content=parsed.content, tool_calls=[
-        oa.ToolCall(id=call.id, function=oa.FunctionCall(name=call.name, arguments=call.arguments)) for call in calls
-    ]), True
-
-
-def usage(jobs: list[_Job], outs: list[RequestOutput] | None = None, num_completion: int = 0) -> oa.Usage:
+def usage(jobs: list[Job], outs: list[RequestOutput] | None = None, num_completion: int = 0) -> oa.Usage:
     """Prompts count once each (whatever n is); every returned choice's tokens count
     (those of ``outs``' cumulative outputs, else ``num_completion``)."""
     num_prompt = sum(len(job.prompt_ids) for job in jobs)
@@ -159,38 +121,9 @@ def usage(jobs: list[_Job], outs: list[RequestOutput] | None = None, num_complet
     return oa.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
-def chat_logprobs(service: GenerationService, out: RequestOutput, start: int, num_top: int) -> oa.ChatLogprobs:
-    """`choices[].logprobs` of the chat API for generated tokens ``start ...``."""
-    content = []
-    for logprobs, token_id in zip(out.outputs[0].logprobs[start:], out.outputs[0].token_ids[start:]):
-        ranked = sorted((lp.rank, t) for t, lp in logprobs.items() if lp.rank <= num_top)
-        top = [_top_logprob(service, t, logprobs[t].logprob) for _, t in ranked]
-        chosen = _top_logprob(service, token_id, logprobs[token_id].logprob)
-        content.append(oa.TokenLogprob(**chosen.model_dump(), top_logprobs=top))
-    return oa.ChatLogprobs(content=content)
-
-
-def _top_logprob(service: GenerationService, token_id: int, logprob: float) -> oa.TopLogprob:
+def top_logprob(service: GenerationService, token_id: int, logprob: float) -> oa.TopLogprob:
     text = service.token_text(token_id)
     return oa.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
-
-
-def completion_logprobs(service: GenerationService, out: RequestOutput, start: int, offset: int) -> oa.CompletionLogprobs:
-    """The completions API's parallel lists for generated tokens ``start ...``; text
-    offsets count from ``offset`` (the length of the text before them)."""
-    completion = out.outputs[0]
-    tokens, token_logprobs, top, text_offset = [], [], [], []
-    for logprobs, token_id in zip(completion.logprobs[start:], completion.token_ids[start:]):
-        text = service.token_text(token_id)
-        tokens.append(text)
-        token_logprobs.append(logprobs[token_id].logprob)
-        by_text: dict[str, float] = {}
-        for t, lp in logprobs.items():  # the chosen token first; texts may collide (U+FFFD)
-            by_text.setdefault(service.token_text(t), lp.logprob)
-        top.append(by_text)
-        text_offset.append(offset)
-        offset += len(text)
-    return oa.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=text_offset)
 
 
 def check_not_yet(body: oa.SamplingFields) -> None:
@@ -208,10 +141,7 @@ class OpenAIRoutes:
         self.system_fingerprint = f"ember-{service.info.version}-{service.info.backend}"
 
     def routes(self) -> list[Route]:
-        return [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ]
+        raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------
     def _params(self, body: oa.SamplingFields, max_tokens: int, constraint: Constraint | None = None) -> SamplingParams:
@@ -307,13 +237,13 @@ class OpenAIRoutes:
         for _ in range(num_jobs):
             self.service.release()
 
-    def _reply(self, prefix: str, object_name: str, body: oa.SamplingFields) -> _Reply:
+    def _reply(self, prefix: str, object_name: str, body: oa.SamplingFields) -> Reply:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return _Reply(f"{prefix}-{uuid.uuid4().hex}", object_name, int(time.time()), body.model,
+        return Reply(f"{prefix}-{uuid.uuid4().hex}", object_name, int(time.time()), body.model,
                       self.system_fingerprint, include_usage)
 
     async def _outputs(
-        self, jobs: list[_Job], kind: OutputKind = OutputKind.CUMULATIVE
+        self, jobs: list[Job], kind: OutputKind = OutputKind.CUMULATIVE
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs as they come, tagged with the choice's index: sample
         ``i`` of job ``j`` is choice ``j * num_samples + i`` (OpenAI's order for n > 1).
@@ -332,7 +262,7 @@ class OpenAIRoutes:
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
-        async def pump(job: _Job) -> None:
+        async def pump(job: Job) -> None:
             k = job.params.num_samples
             try:
                 async with aclosing(
@@ -357,11 +287,11 @@ class OpenAIRoutes:
             for task in tasks:
                 task.cancel()
 
-    async def _final_outputs(self, jobs: list[_Job]) -> list[RequestOutput]:
+    async def _final_outputs(self, jobs: list[Job]) -> list[RequestOutput]:
         """One finished view per returned choice, in choice order: each job's final
         output holds its n completions (the n best of best_of, chosen by the engine)."""
 
-        async def final(job: _Job) -> RequestOutput:
+        async def final(job: Job) -> RequestOutput:
             last = None
             async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority)) as outs:
                 async for last in outs:
@@ -376,7 +306,7 @@ class OpenAIRoutes:
                 task.cancel()
         return [replace(out, outputs=[replace(c, index=0)]) for out in finals for c in out.outputs]
 
-    async def _run(self, request: Request, jobs: list[_Job]) -> list[RequestOutput] | None:
+    async def _run(self, request: Request, jobs: list[Job]) -> list[RequestOutput] | None:
         """Run to the end; None if the client left (its requests are then aborted)."""
         self._admit(len(jobs))
         try:
@@ -386,7 +316,7 @@ class OpenAIRoutes:
         finally:
             self._release(len(jobs))
 
-    async def _stream(self, events, jobs: list[_Job]) -> Response:
+    async def _stream(self, events, jobs: list[Job]) -> Response:
         """``events(outputs)``'s stream; a constrained request's first output is awaited
         first, so that a grammar failure is a 400 (before any header)."""
         self._admit(len(jobs))
@@ -420,7 +350,7 @@ class OpenAIRoutes:
         return chained()
 
     @staticmethod
-    def _check_failures(outs: list[RequestOutput], jobs: list[_Job]) -> None:
+    def _check_failures(outs: list[RequestOutput], jobs: list[Job]) -> None:
         for out in outs:
             error = failure(out, jobs[0].constraint_param)
             if error is not None:
@@ -438,265 +368,3 @@ class OpenAIRoutes:
             yield sse_error_event(APIError(500, f"generation failed: {exc!r}", "generation"), Flavor.OPENAI)
 
     # -- /v1/completions ------------------------------------------------------------------
-    @documented(summary="Completions (OpenAI)", tag="OpenAI", request=oa.CompletionRequest,
-                response=oa.CompletionResponse, streams=True, error_model=oa.ErrorResponse)
-    async def completions(self, request: Request) -> Response:
-        try:
-            body = await read_model(request, oa.CompletionRequest)
-            jobs = await self.service.run_blocking(self._completion_jobs, body)
-            reply = self._reply("cmpl", "text_completion", body)
-            if body.stream:
-                return await self._stream(lambda outs: self._completion_events(reply, jobs, outs), jobs)
-            outs = await self._run(request, jobs)
-            if outs is not None and jobs[0].params.constraint is not None:
-                self._check_failures(outs, jobs)
-        except APIError as exc:
-            return error_response(exc, Flavor.OPENAI)
-        if outs is None:
-            return Response(status_code=499)
-        response = oa.CompletionResponse(
-            id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
-            choices=[
-                oa.CompletionChoice(
-                    index=index, text=job.echo + out.outputs[0].text, finish_reason=finish_reason(out),
-                    logprobs=None if body.logprobs is None else completion_logprobs(self.service, out, 0, len(job.echo)),
-                )
-                for index, (job, out) in enumerate(zip(per_choice(jobs), outs))
-            ],
-            usage=usage(jobs, outs),
-        )
-        return JSONResponse(response.model_dump())
-
-    def _completion_jobs(self, body: oa.CompletionRequest) -> list[_Job]:
-        check_not_yet(body)
-        if body.suffix:
-            raise not_available("suffix", "issue 4 (suffix)")
-        self._check_stop(body)
-        prompts = self._prompts(body.prompt)
-        if len(prompts) > self.service.limits.max_concurrent_requests:
-            raise validation_error(
-                f"`prompt` holds {len(prompts)} prompts; at most --max-concurrent-requests "
-                f"({self.service.limits.max_concurrent_requests}) can run at once", "prompt",
-            )
-        constraint, param = None, None
-        if body.has_structured_output:
-            constraint, param = openai_constraint(body)
-            check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
-        jobs = []
-        for index, (text, ids, name) in enumerate(prompts):
-            max_tokens = self._max_tokens(len(ids), body.max_tokens, name, "max_tokens")
-            params = self._params(body, max_tokens, constraint)
-            self.service.validate(ids, params)
-            echo = "" if not body.echo else text if text is not None else self.service.client.decode(ids)
-            jobs.append(_Job(index, text, ids, params, echo, body.priority, param))
-        return jobs
-
-    def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:
-        """(text, token ids, name for errors) of each prompt; every prompt's cheap
-        checks pass before any is tokenized."""
-        is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-        items = prompt if is_batch else [prompt]
-        names = [f"prompt[{i}]" if is_batch else "prompt" for i in range(len(items))]
-        vocab = self.service.model_info.vocab_size
-        for item, name in zip(items, names):
-            if not item:
-                raise validation_error(f"`{name}` is empty: give a non-empty prompt", name)
-            if isinstance(item, str):
-                self.service.check_chars(item, name)
-                continue
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise validation_error(f"`{name}` token id {bad} is outside the vocabulary [0, {vocab})", name)
-        return [
-            (item, self.service.encode(item), name) if isinstance(item, str) else (None, list(item), name)
-            for item, name in zip(items, names)
-        ]
-
-    async def _completion_events(self, reply: _Reply, jobs: list[_Job], outputs: AsyncIterator) -> AsyncIterator[bytes]:
-        choice_jobs = per_choice(jobs)  # streaming has no best_of > n: choices are samples
-        for index, job in enumerate(choice_jobs):
-            if job.echo:
-                yield reply.chunk([{"index": index, "text": job.echo, "logprobs": None, "finish_reason": None}])
-        num_tokens = 0  # every choice's generated tokens, for usage
-        offsets = [len(job.echo) for job in choice_jobs]
-        pending = [_Pending() for _ in choice_jobs]  # tokens whose logprobs are not sent yet
-        async with aclosing(outputs) as outs:
-            async for index, out in outs:
-                error = failure(out, jobs[0].constraint_param) if out.outputs[0].finish_reason == "error" else None
-                if error is not None:
-                    raise error
-                num_tokens += len(out.new_token_ids)
-                pending[index].add(out)
-                if out.new_text or out.finished:
-                    reason = finish_reason(out) if out.finished else None
-                    logprobs = None
-                    if choice_jobs[index].params.logprobs is not None:
-                        lp = completion_logprobs(self.service, pending[index].take(out), 0, offsets[index])
-                        offsets[index] += sum(len(t) for t in lp.tokens)
-                        logprobs = lp.model_dump()
-                    yield reply.chunk([{"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}])
-        if reply.include_usage:
-            yield reply.chunk([], usage(jobs, num_completion=num_tokens).model_dump())
-        yield DONE_EVENT
-
-    # -- /v1/chat/completions -------------------------------------------------------------
-    @documented(summary="Chat completions (OpenAI)", tag="OpenAI", request=oa.ChatCompletionRequest,
-                response=oa.ChatCompletionResponse, streams=True, error_model=oa.ErrorResponse)
-    async def chat_completions(self, request: Request) -> Response:
-        try:
-            body = await read_model(request, oa.ChatCompletionRequest)
-            job, setup = await self.service.run_blocking(self._chat_job, body)
-            reply = self._reply("chatcmpl", "chat.completion", body)
-            if body.stream:
-                chunk_reply = _Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,
-                                     reply.system_fingerprint, reply.include_usage)
-                return await self._stream(lambda outs: self._chat_events(chunk_reply, job, setup, outs), [job])
-            outs = await self._run(request, [job])
-            if outs is not None and job.params.constraint is not None:
-                self._check_failures(outs, [job])
-        except APIError as exc:
-            return error_response(exc, Flavor.OPENAI)
-        if outs is None:
-            return Response(status_code=499)
-        choices = []
-        for i, out in enumerate(outs):
-            message, has_calls = assistant_message(out.outputs[0].text, setup)
-            choices.append(oa.ChatChoice(index=i, message=message, finish_reason=finish_reason(out, has_calls),
-                                         logprobs=self._chat_logprobs(body, out, 0)))
-        response = oa.ChatCompletionResponse(
-            id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
-            choices=choices, usage=usage([job], outs),
-        )
-        return JSONResponse(response.model_dump())
-
-    def _tool_setup(self, body: oa.ChatCompletionRequest) -> ToolSetup:
-        """400 for a tool choice naming no tool, or tools no parser of this model reads."""
-        client = self.service.client
-        try:
-            return setup_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                               client.plugin_manager.registries.tool_parsers, client.chat_template)
-        except ValueError as exc:
-            param = "tools" if str(exc).startswith("tools") else "tool_choice"
-            raise bad_request(str(exc), param) from None
-
-    def _chat_job(self, body: oa.ChatCompletionRequest) -> tuple[_Job, ToolSetup]:
-        check_not_yet(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise validation_error("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        setup = self._tool_setup(body) if body.tools or body.tool_choice is not None else NO_TOOLS
-        constraint, param = openai_constraint(body) if body.has_structured_output else (None, None)
-        if setup.forced is not None:
-            if constraint is not None:
-                raise bad_request(f"`{param}` cannot constrain an answer that tool_choice {setup.choice!r} forces "
-                                  "to be a tool call", param)
-            constraint, param = setup.forced, "tool_choice"
-        if constraint is not None or body.guided_decoding_backend is not None:
-            check_backend(self.service.client, constraint, body.guided_decoding_backend, "guided_decoding_backend")
-        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
-            raise validation_error(
-                f"`max_tokens` ({body.max_tokens}) and `max_completion_tokens` ({body.max_completion_tokens}) "
-                "disagree; send one of them", "max_completion_tokens",
-            )
-        self._check_stop(body)
-        prompt = self._chat_prompt(body.messages, setup)
-        ids = self.service.encode(prompt, add_special_tokens=False)
-        length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
-        self.service.validate(ids, params)
-        return _Job(0, prompt, ids, params, priority=body.priority, constraint_param=param), setup
-
-    def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
-        return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None
-
-    def _chat_prompt(self, messages: list[oa.ChatMessage], setup: ToolSetup) -> str:
-        """The messages (tool calls and results among them) and the tools through the
-        chat template (after a length check: the prompt holds every message's text)."""
-        plain = []
-        for i, message in enumerate(messages):
-            content = message.content
-            if content is None:
-                if not (message.role == "assistant" and message.tool_calls):
-                    raise validation_error(f"`messages[{i}].content` is missing", f"messages[{i}].content")
-                content = ""
-            elif not isinstance(content, str):
-                for k, part in enumerate(content):
-                    where = f"messages[{i}].content[{k}]"
-                    if part.type != "text":
-                        raise validation_error(
-                            f"`{where}` has type {part.type!r}: only \"text\" parts are supported", f"{where}.type"
-                        )
-                    if part.text is None:
-                        raise validation_error(f"`{where}` is a text part without `text`", f"{where}.text")
-                content = "\n".join(part.text for part in content)  # type: ignore[misc]
-            role = "system" if message.role == "developer" else message.role
-            entry: dict = {"role": role, "content": content}
-            if message.tool_calls:
-                entry["tool_calls"] = message.tool_calls
-            if message.tool_call_id is not None:
-                entry["tool_call_id"] = message.tool_call_id
-            plain.append(entry)
-        self.service.check_chars("".join(m["content"] for m in plain), "messages")
-        client = self.service.client
-        try:
-            tools = None
-            if setup.tools or any("tool_calls" in m for m in plain):
-                registry = client.plugin_manager.registries.tool_parsers
-                plain, tools = chat_messages(plain, setup, registry, client.chat_template)
-            return client.apply_chat_template(plain, tools)
-        except (ValueError, TemplateError) as exc:
-            raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
-
-    async def _chat_events(
-        self, reply: _Reply, job: _Job, setup: ToolSetup, outputs: AsyncIterator
-    ) -> AsyncIterator[bytes]:
-        num_choices = job.params.n
-        for index in range(num_choices):
-            yield reply.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
-        num_tokens = 0  # every choice's generated tokens, for usage
-        num_top = job.params.logprobs
-        pending = [_Pending() for _ in range(num_choices)]  # tokens whose logprobs are not sent yet
-
-        def logprobs_of(index: int, out: RequestOutput) -> dict | None:
-            view = pending[index].take(out)
-            if num_top is None or not view.outputs[0].token_ids:
-                return None
-            return chat_logprobs(self.service, view, 0, num_top).model_dump()
-
-        parsers = [setup.parser() if setup.parser else None for _ in range(num_choices)]
-        has_calls = [False] * num_choices
-
-        def delta_of(index: int, out: RequestOutput) -> dict:
-            """The chunk's delta: the text, or what the choice's parser can report of it."""
-            parser: BaseToolParser | None = parsers[index]
-            if parser is None:
-                return {"content": out.new_text} if out.new_text else {}
-            parsed = parser.feed(out.new_text)
-            if out.finished:
-                end = parser.finish()
-                parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
-            delta: dict = {"content": parsed.content} if parsed.content else {}
-            pieces = tool_call_pieces(parsed, setup.max_calls)
-            if pieces:
-                delta["tool_calls"] = pieces
-                has_calls[index] = True
-            return delta
-
-        async with aclosing(outputs) as outs:
-            async for index, out in outs:
-                error = failure(out, job.constraint_param) if out.outputs[0].finish_reason == "error" else None
-                if error is not None:
-                    raise error
-                num_tokens += len(out.new_token_ids)
-                pending[index].add(out)
-                delta = delta_of(index, out)
-                if delta:
-                    yield reply.chunk([{"index": index, "delta": delta,
-                                        "logprobs": logprobs_of(index, out), "finish_reason": None}])
-                if out.finished:
-                    yield reply.chunk([{"index": index, "delta": {}, "logprobs": logprobs_of(index, out),
-                                        "finish_reason": finish_reason(out, has_calls[index])}])
-        if reply.include_usage:
-            yield reply.chunk([], usage([job], num_completion=num_tokens).model_dump())
-        yield DONE_EVENT
