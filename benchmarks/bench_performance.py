@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,18 +61,9 @@ def ember_generate(llm, prompt_ids, max_tokens):
     return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
-@contextmanager
-def cpu_path(path: str):
-    """Ember's CPU backend on `path` (EMBER_CPU_PATH) for the engines built inside."""
-    before = os.environ.get("EMBER_CPU_PATH")
-    os.environ["EMBER_CPU_PATH"] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["EMBER_CPU_PATH"]
-        else:
-            os.environ["EMBER_CPU_PATH"] = before
+def cpu_path(path: str) -> dict:
+    """LLM arguments putting Ember's CPU backend on `path` (its option path)."""
+    return {"backend_options": {"path": path}}
 
 
 def free_port() -> int:
@@ -148,9 +138,8 @@ def prefill_section(model_dir: str, lengths: list[int], result: dict) -> None:
 
     hf_models = {}
     for path in PATHS:
-        with cpu_path(path):
-            llm = LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=False,
-                      max_model_len=max(lengths + [GAP_PROMPT]) + 1)
+        llm = LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=False,
+                  max_model_len=max(lengths + [GAP_PROMPT]) + 1, **cpu_path(path))
         dtype = llm.engine.model.compute_dtype
         if dtype not in hf_models:
             hf_models[dtype] = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -278,8 +267,7 @@ def main() -> None:
     for path in PATHS:
         if "offline" in args.skip and "decode" in args.skip:
             break
-        with cpu_path(path):
-            llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30)
+        llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=3 << 30, **cpu_path(path))
         ember_generate(llm, ids[:2], 4)  # warm-up
         if "offline" not in args.skip:
             tokens, seconds, outputs[path] = ember_generate(llm, ids, args.max_tokens)

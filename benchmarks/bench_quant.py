@@ -4,7 +4,7 @@ Arms, each in its own subprocess (peak RSS is the child's own ru_maxrss):
 
 * ``ember_q4_1``: the default model's GGUF served natively (Q4_1 layers, Q8_0 LM head,
   ``resolve_model(None, gguf_native=True)``);
-* ``ember_q4_1_one_row``: the same with ``EMBER_GGUF_X8=0`` (the one-row kernels, the
+* ``ember_q4_1_one_row``: the same with the CPU backend's option ``gguf_x8=false`` (the one-row kernels, the
   weights as read: the baseline of the x8 layout);
 * ``ember_bf16``: its float conversion loaded as bfloat16 (Ember's bf16 model; on a
   CPU without AVX512-BF16/AMX that is the fp32 compute path with bf16 weight copies);
@@ -109,6 +109,8 @@ def _ember_arm(spec: dict) -> dict:
     from ember import LLM, SamplingParams
 
     kwargs = {"dtype": spec["dtype"]} if spec.get("dtype") else {}
+    if spec.get("backend_options"):
+        kwargs["backend_options"] = spec["backend_options"]
     start = time.perf_counter()
     llm = LLM(model=spec["model"], kv_cache_memory_bytes=2 << 30, **kwargs)
     out: dict = {"load_seconds": time.perf_counter() - start}
@@ -240,8 +242,6 @@ def child(name: str, spec_path: str, out_path: str) -> None:
     elif name == "q4_1_quality":
         out = _quality_arm(spec)
     else:
-        if spec.get("env"):
-            os.environ.update(spec["env"])
         out = _ember_arm(spec)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out_path).write_text(json.dumps(out, indent=1))
@@ -288,7 +288,7 @@ def main() -> None:
     result: dict = {"machine": machine_info(), "model": "SmolLM2-135M-Instruct", "float_dir": float_dir,
                     "native_dir": native_dir, "decode_tokens": args.decode_tokens,
                     "offline": {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens}, "arms": {}}
-    from ember.hardware.cpu_quant import LARGE_ROWS, select_prefill
+    from ember.hardware.cpu_gguf import LARGE_ROWS, select_prefill
 
     result["gguf_prefill_mode"] = dict(zip(("mode", "why"), select_prefill()))
     common = {"prompts": ids, "decode_tokens": args.decode_tokens, "max_tokens": args.max_tokens, "pad_id": pad_id}
@@ -300,7 +300,7 @@ def main() -> None:
             specs["ember_q4_1"] = ({**common, "model": native_dir, "offline": True, "profile": args.profile}, None)
         if "ember_q4_1_one_row" not in args.skip:
             specs["ember_q4_1_one_row"] = ({**common, "model": native_dir, "offline": True,
-                                            "env": {"EMBER_GGUF_X8": "0"}}, None)
+                                            "backend_options": {"gguf_x8": "false"}}, None)
         if "ember_bf16" not in args.skip:
             specs["ember_bf16"] = ({**common, "model": float_dir, "dtype": "bfloat16", "offline": True}, None)
         if "transformers_bf16" not in args.skip:

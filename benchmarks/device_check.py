@@ -22,8 +22,8 @@ with transformers holds for any weights).
    the single-device engine's, and batch-1 decode and 128-prompt offline tokens/s
    against one device.
 
-The attention in use (flash-attn where installed, else Triton) is recorded; set
-EMBER_ATTENTION=triton to measure the Triton kernels where flash-attn is installed.
+The attention in use (flash-attn where installed, else Triton) is recorded; pass
+--backend-option attention=triton to measure the Triton kernels where flash-attn is installed.
 
     python benchmarks/device_check.py [--backend cuda] [--out $OUT/device_check.json]
     python benchmarks/device_check.py --dry-run   # the same steps, tiny, on the CPU backend
@@ -119,9 +119,12 @@ def main() -> int:
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--out", default="device_check.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU backend (checks the script)")
+    parser.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the backend (repeatable; `ember backends options NAME` lists them)")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="also run with N devices (default: all of them when there are 2 or more; 1: skip)")
     args = parser.parse_args()
+    options = dict(item.split("=", 1) for item in args.backend_option)
 
     import transformers
 
@@ -163,7 +166,8 @@ def main() -> int:
         step("conformance", conformance)
         max_model_len = min(2048, shapes["max_position_embeddings"])
         started = time.perf_counter()
-        llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len)
+        llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len,
+                  backend_options=options)
         engine = llm.engine
         result["attention"] = engine.runner.attention.name
         result["startup_seconds"] = round(time.perf_counter() - started, 1)
@@ -197,7 +201,7 @@ def main() -> int:
             ids = prompts(1, vocab, 7)
             ember_tps, graphed_tokens = ember_run(llm, ids, sizes["decode"])
             eager_llm = LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len,
-                            enforce_eager=True)
+                            enforce_eager=True, backend_options=options)
             ember_run(eager_llm, ids, 4)  # warm-up
             eager_tps, eager_tokens = ember_run(eager_llm, ids, sizes["decode"])
             del eager_llm
@@ -229,7 +233,7 @@ def main() -> int:
             single_offline, _ = ember_run(llm, offline_ids, 128 if not args.dry_run else 8)
             started = time.perf_counter()
             with LLM(model=str(model_dir), dtype="bfloat16", backend=backend, max_model_len=max_model_len,
-                     tensor_parallel_size=tp) as tp_llm:
+                     tensor_parallel_size=tp, backend_options=options) as tp_llm:
                 startup = time.perf_counter() - started
                 _, sharded = ember_run(tp_llm, ids, new)
                 ember_run(tp_llm, prompts(2, vocab, 0), 4)  # warm-up
