@@ -33,7 +33,7 @@ def main() -> None:
 
     from bench_offline import make_conversations
     from ember import LLM, SamplingParams
-    from ember.api.bench.core_step import machine_info
+    from ember.api.bench.machine import machine_info
     from ember.weights import resolve_model
     from transformers import AutoTokenizer
 

@@ -133,7 +133,7 @@ def main() -> int:
     import torch
 
     from ember import LLM, SamplingParams
-    from ember.api.bench.core_step import machine_info
+    from ember.api.bench.machine import machine_info
     from ember.engine.llm import encode_chat
     from ember.plugin.grammar import Constraint, UnsupportedFeatureError
     from ember.weights import resolve_model

@@ -82,7 +82,7 @@ def main() -> int:
         return 1
     QUIET.write_text("bench_parallel\n")
     try:
-        from ember.api.bench.core_step import machine_info
+        from ember.api.bench.machine import machine_info
 
         machine = machine_info()
         print(f"machine: {machine}", flush=True)

@@ -273,7 +273,7 @@ def main() -> None:
     from bench_offline import make_conversations
     from transformers import AutoTokenizer
 
-    from ember.api.bench.core_step import machine_info
+    from ember.api.bench.machine import machine_info
     from ember.hardware.cpu import cpu_thread_count
     from ember.weights import resolve_model
     from ember.weights.default_model import fetch_default_gguf

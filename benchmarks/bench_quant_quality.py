@@ -80,7 +80,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(QUANTIZE)}")
 
-    from ember.api.bench.core_step import machine_info
+    from ember.api.bench.machine import machine_info
     from ember.models.loader import model_weight_bytes
     from ember.models.tokenizer import load_tokenizer
     from ember.weights import DEFAULT_MODEL_ID, resolve_model

@@ -89,7 +89,7 @@ def main() -> int:
     import torch
 
     from ember import LLM, SamplingParams
-    from ember.api.bench.core_step import machine_info
+    from ember.api.bench.machine import machine_info
     from ember.engine.llm import encode_chat
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
