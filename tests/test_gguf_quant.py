@@ -569,7 +569,7 @@ def test_gguf_quantizer_conformance(name):
 
 
 def test_fused_parts_of_different_types_join_and_multiply():
-    from ember.hardware.cpu_quant import GGUFLinearOp
+    from ember.hardware.cpu_gguf import GGUFLinearOp
     from ember.plugins.quantizers.gguf import GGUFWeight
 
     q, k, v = (GGUFWeight([(t, torch.from_numpy(random_blocks(t, rows, 256, seed=rows)))], 256)
