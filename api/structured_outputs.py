@@ -1,4 +1,4 @@
-"""A request's structured-output fields as one `ember.plugin.grammar.Constraint`, and the 400
+"""A request's structured-output fields as one `ember.constraint.Constraint`, and the 400
 that a failed grammar becomes.
 
 OpenAI routes take `response_format` (``json_object``, ``json_schema``), vLLM's
@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from ember.api.errors import APIError, bad_request
+from ember.constraint import Constraint
 from ember.engine.client import EngineClient
 from ember.outputs import RequestOutput
-from ember.plugin.grammar import Constraint
 
 GRAMMAR_ERROR_TYPE = "grammar"
 

@@ -135,7 +135,8 @@ def main() -> int:
     from ember import LLM, SamplingParams
     from ember.api.bench.machine import machine_info
     from ember.engine.llm import encode_chat
-    from ember.plugin.grammar import Constraint, UnsupportedFeatureError
+    from ember.constraint import Constraint
+    from ember.plugin.grammar import UnsupportedFeatureError
     from ember.weights import resolve_model
 
     run_started = time.perf_counter()

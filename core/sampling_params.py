@@ -52,7 +52,7 @@ class SamplingParams:
     sequence bans that token). `extra` switches on third-party processors: each key
     names a registered processor, its value is that processor's parameters.
 
-    `constraint` (an `ember.plugin.grammar.Constraint`: a JSON schema, a regex, a choice, a
+    `constraint` (an `ember.constraint.Constraint`: a JSON schema, a regex, a choice, a
     grammar) restricts the output to what it matches (docs/grammar.md), compiled by the
     grammar backend `grammar_backend` names (None: the engine's
     `EngineConfig.grammar_backend`). A request whose output completes the grammar ends
@@ -150,7 +150,7 @@ class SamplingParams:
             raise ValueError(f"best_of_ranking must be 'cumulative' or 'mean', got {self.best_of_ranking!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(
-                f"constraint must be an ember.plugin.grammar.Constraint (e.g. Constraint.json_schema(schema)), "
+                f"constraint must be an ember.constraint.Constraint (e.g. Constraint.json_schema(schema)), "
                 f"got {self.constraint!r}"
             )
         if self.grammar_backend is not None and (not isinstance(self.grammar_backend, str) or not self.grammar_backend):

@@ -88,7 +88,7 @@ class CPUAttention(BaseAttention):
         for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
             requests.extend([i] * num_query)
             lens.extend(range(start + 1, start + num_query + 1))
-        device = batch.device
+        device = batch.slot_mapping.device  # the CPU; read off a tensor of the batch
         index = torch.tensor(requests, dtype=torch.int64, device=device)
         metadata = CPUAttentionMetadata(
             batch.slot_mapping, torch.arange(len(lens), device=device),
@@ -128,7 +128,7 @@ class CPUAttention(BaseAttention):
             row += num_query
         metadata = CPUAttentionMetadata(batch.slot_mapping, None, None, None, prefills, block_size)
         if decode_rows:  # with prefills beside them
-            device = batch.device
+            device = batch.slot_mapping.device  # the CPU; read off a tensor of the batch
             index = torch.tensor(decode_requests, dtype=torch.int64, device=device)
             metadata.decode_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
             metadata.decode_token_index = torch.tensor(decode_rows, dtype=torch.int64, device=device)
@@ -162,7 +162,7 @@ class CPUAttention(BaseAttention):
         metadata.decode_lens[n:].fill_(1)  # padding reads position 0 of its row's first block
         if metadata.decode_mask is not None:  # PyTorch's attention reads the mask; the native kernel does not
             max_len = metadata.decode_mask.shape[-1]
-            torch.lt(torch.arange(max_len, device=batch.device)[None, :], metadata.decode_lens[:, None],
+            torch.lt(torch.arange(max_len, device=batch.slot_mapping.device)[None, :], metadata.decode_lens[:, None],
                      out=metadata.decode_mask.view(-1, max_len))
 
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ember.plugin.backend import BackendOptions, option
+from ember.plugin.backend_options import BackendOptions, option
 
 DEFAULT_DECODE_GROUP_BYTES = 4 << 20
 # products of at most this many rows read plain bf16 weights through the native kernel,

@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ember.plugin.backend import BackendOptions, BaseAttention, BaseBackend, eager_capture, option
+from ember.plugin.backend import BaseAttention, BaseBackend, eager_capture
+from ember.plugin.backend_options import BackendOptions, option
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from transformers import PreTrainedTokenizerFast
 
 from ember import LLM, SamplingParams
 from ember.config import SpeculativeConfig
+from ember.constraint import Constraint, ConstraintKind
 from ember.engine.speculative import SpeculativeDecoder
 from ember.plugin import create_plugin_manager
-from ember.plugin.grammar import Constraint, ConstraintKind, GrammarContext, GrammarError, UnsupportedFeatureError
+from ember.plugin.grammar import GrammarContext, GrammarError, UnsupportedFeatureError
 from ember.plugin.grammar_vocab import decode_token_bytes
 from ember.plugin.speculator import BaseSpeculator, Proposal, SpeculatorContext
 from ember.plugins.grammar.outlines_backend import OutlinesBackend, OutlinesMatcher

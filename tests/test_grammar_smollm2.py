@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.plugin.grammar import Constraint, ConstraintKind
+from ember.constraint import Constraint, ConstraintKind
 
 pytestmark = pytest.mark.slow
 

@@ -40,3 +40,31 @@ def test_core_names_no_vendor():
             if forbidden.search(code) and not code.lstrip().startswith(('"', "'")):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+MAX_LINES = 500
+
+
+def test_no_module_over_500_lines():
+    """One concept per file (docs/architecture.md): a module past 500 lines is split by concept."""
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for folder in ("core", "plugins", "hardware", "api")
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert len(sizes) > 100
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_every_core_module_is_in_the_architecture_map():
+    """docs/architecture.md's module maps name every module of core/, plugins/, hardware/ and api/."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for folder in ("core", "hardware", "api"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "__init__.py":
+                continue
+            rel = path.relative_to(ROOT / folder).as_posix()
+            if f"`{rel}`" not in text and f"`{path.name}`" not in text:
+                missing.append(f"{folder}/{rel}")
+    assert missing == [], f"add a line for each to docs/architecture.md: {missing}"

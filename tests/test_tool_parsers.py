@@ -11,10 +11,10 @@ import shutil
 import jsonschema
 import pytest
 
+from ember.constraint import ConstraintKind
 from ember.engine.llm import LLM
 from ember.engine.tool_calls import chat_messages, select_tool_parser, setup_tools
 from ember.plugin import create_plugin_manager
-from ember.plugin.grammar import ConstraintKind
 from ember.plugin.tool_parser import ForcedToolCallParser, ParserDelta, ToolCall
 from ember.plugins.tool_parsers.hermes import HermesToolParser
 from ember.plugins.tool_parsers.llama3_json import Llama3JsonToolParser

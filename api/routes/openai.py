@@ -33,8 +33,8 @@ from ember.api.http import ClientDisconnected, EventStreamResponse, sse_event, u
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService, with_watermark
 from ember.api.structured_outputs import failure
+from ember.constraint import Constraint
 from ember.outputs import OutputKind, RequestOutput
-from ember.plugin.grammar import Constraint
 from ember.sampling_params import SamplingParams
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ember.plugin.grammar import Constraint
+from ember.constraint import Constraint
 from ember.plugin.registry import Registry
 from ember.plugin.tool_parser import BaseToolParser, ForcedToolCallParser
 

@@ -6,7 +6,8 @@ registry per kind. Module map:
     manager            create_plugin_manager: discovery, required vs discovered, blocking, rollback
     registry           Registry, Registries: one per kind, with the owner of each name
     api_version        API_VERSION and the range a plugin declares (EMBER_PLUGIN_API)
-    backend            hardware backends: BaseBackend, BackendOptions, BaseAttention, AttentionBatch, graph capture
+    backend            hardware backends: BaseBackend, BaseAttention, AttentionBatch, graph capture
+    backend_options    BackendOptions: a backend's typed, documented tuning knobs
     quantizer          BaseQuantizer, QuantizedWeight, QuantizedLinearOp
     quantized_weights  the portable packed forms (integer grids, NF4, FP8)
     speculator         BaseSpeculator, SpecRequest, Proposal, SpeculatorContext

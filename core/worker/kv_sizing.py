@@ -72,7 +72,7 @@ def resolve_block_size(requested: int | None, attention) -> int:
         raise ValueError(
             f"block_size {block_size} does not suit the {attention.name} attention, whose paged KV cache needs "
             f"blocks of a multiple of {multiple} tokens; leave block_size unset (default {attention.default_block_size}) "
-            "or choose another attention (EMBER_ATTENTION, docs/backends.md)"
+            "or choose another attention (--backend-option attention=..., docs/backends.md)"
         )
     return block_size
 
