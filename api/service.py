@@ -34,7 +34,8 @@ from typing import TypeVar
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.observability import GenerationRecord, current
 from ember.api.settings import ResolvedLimits
-from ember.engine.client import EngineClient, EngineDeadError, RequestAbortedError
+from ember.engine.client import EngineClient
+from ember.errors import EngineDeadError, RequestAbortedError
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ from ember import EngineConfig, SamplingParams
 from ember.engine.llm_engine import LLMEngine
 from ember.hardware import cpu_graphs, cpu_kernels, cpu_quant
 from ember.hardware.cpu_graphs import _Buffer, _pack, capture
-from ember.worker.graphs import GraphCaptureRefused
+from ember.plugin.backend import GraphCaptureRefused
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernels cannot be built here")

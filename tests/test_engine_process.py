@@ -13,8 +13,8 @@ from server_utils import running_server
 from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.async_engine import AsyncLLMEngine
-from ember.engine.client import EngineDeadError
 from ember.engine.llm_engine import LLMEngine
+from ember.errors import EngineDeadError
 
 PROMPTS = ["Hello there", "The capital of", "1 2 3 4"]
 

@@ -3,7 +3,7 @@ per-step refills a captured forward reads, checked on CPU tensors with the Trito
 attention under the interpreter and with the PyTorch-ops attention Gaudi runs.
 
 There are no device graphs on a CPU: here each "replay" runs the forward again
-(`ember.worker.graphs.eager_capture`) through the same static tensors a CUDA graph would
+(`ember.plugin.backend.eager_capture`) through the same static tensors a CUDA graph would
 read, so what is checked is that those tensors carry each step's batch (a graph
 that read stale metadata would give other tokens). The capture itself
 (torch.cuda.CUDAGraph) runs only on a GPU (benchmarks/device_check.py)."""
@@ -25,8 +25,9 @@ from ember import EngineConfig, SamplingParams
 from ember.engine.llm_engine import LLMEngine
 from ember.hardware.triton_attention import TritonAttention
 from ember.plugin import create_plugin_manager, hookimpl
+from ember.plugin.backend import eager_capture
 from ember.testing import check_graph_attention
-from ember.worker.graphs import default_graph_sizes, eager_capture
+from ember.worker.graphs import default_graph_sizes
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from ember.config import EngineConfig
-from ember.engine.client import EngineFatalError, ModelInfo
+from ember.engine.client import ModelInfo
 from ember.engine.core import EngineCore
+from ember.errors import EngineFatalError
 from ember.sched.request import RequestStatus
 
 logger = logging.getLogger("ember.engine.core")  # the core's log lines, whichever process it runs in

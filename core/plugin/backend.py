@@ -332,7 +332,7 @@ class BaseBackend(ABC):
         """Device graphs for decode steps (``ember.worker.graphs``): a callable that captures
         ``fn`` (a forward pass over static tensors, run once or more while capturing)
         and returns ``replay() -> the captured output``, refreshed by each replay, or
-        raises ``ember.worker.graphs.GraphCaptureRefused`` for a forward its graphs cannot
+        raises ``ember.plugin.backend.GraphCaptureRefused`` for a forward its graphs cannot
         hold (that batch size runs eagerly). None (the default): the device has no
         graphs and every step runs eagerly."""
         return None

@@ -14,7 +14,7 @@ size run eagerly.
 
 The backend supplies the capture (``BaseBackend.graph_capture``): a callable that
 turns ``fn`` (a forward over the static tensors) into ``replay() -> output``, or
-raises :class:`GraphCaptureRefused` when its graphs cannot hold that forward (the
+raises `ember.plugin.backend.GraphCaptureRefused` when its graphs cannot hold that forward (the
 CPU's, for one, hold only its native kernels): that size then runs eagerly. Core
 never names a device.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ember.plugin.backend import AttentionBatch, BaseAttention, GraphCaptureRefused, eager_capture  # noqa: F401
+from ember.plugin.backend import AttentionBatch, BaseAttention, GraphCaptureRefused
 
 logger = logging.getLogger(__name__)
 
