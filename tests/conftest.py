@@ -22,9 +22,10 @@ import pytest
 # it resolves; tests of the quantized form (tests/test_gguf_quant.py) ask for it by name.
 os.environ.setdefault("EMBER_GGUF_NATIVE", "0")
 # Model ids not in the HF cache would be downloaded from the Hub: the suite reaches no host
-# but 127.0.0.1, so the Hub stays off unless a test points HF_ENDPOINT at a local server
-# and clears this (tests/test_hub_download.py).
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# but 127.0.0.1, so its Hub is a closed local port (a refused connection, at once) unless a
+# test points HF_ENDPOINT at its own server (tests/test_hub_download.py). Not HF_HUB_OFFLINE:
+# huggingface_hub's clients refuse every address under it, the server under test's too.
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 
 
 @contextmanager

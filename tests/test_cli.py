@@ -307,6 +307,7 @@ def test_download_prints_the_local_path(tiny_llama_dir, capsys, monkeypatch):
 
 def test_download_failure_exits_1(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache only (the Hub's own failures: tests/test_hub_download.py)
     assert main(["download", "nobody/no-such-model", "--revision", "v1"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -2,7 +2,7 @@
 
 huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import; Ember reads
 them per call and passes the endpoint on, so setting HF_ENDPOINT is enough (the
-conftest's HF_HUB_OFFLINE=1 is lifted in huggingface_hub's constants too). No
+conftest points it at a closed local port for the rest of the suite). No
 test reaches any host but 127.0.0.1: connecting or resolving another is an error.
 """
 
@@ -260,11 +260,15 @@ def test_cli_errors_are_one_line_exit_1(hub, capsys):
 
 
 def test_the_suite_default_keeps_the_hub_off(tmp_path, monkeypatch):
-    """conftest sets HF_HUB_OFFLINE=1 for every other test: an unknown id never leaves the machine."""
+    """conftest points HF_ENDPOINT at a closed local port for every other test: an unknown id
+    never leaves the machine, and fails at once with the no-network line."""
+    import os
+
+    assert os.environ["HF_ENDPOINT"] == "http://127.0.0.1:9"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(ModelNotFoundError, match="cannot reach the Hub at http://127.0.0.1:9") as excinfo:
         resolve_model("nobody/no-such-model", progress=False)
+    assert excinfo.value.reason == "no-network"
 
 
 def test_local_paths_are_unchanged(hub, tiny_llama_dir, tmp_path):

@@ -508,10 +508,12 @@ def test_publish_refuses_an_incomplete_existing_directory(tmp_path):
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
-    """An empty Hugging Face hub cache that the resolver is pointed at; keeps EMBER_CACHE_DIR out."""
+    """An empty Hugging Face hub cache that the resolver is pointed at, offline (the cache only:
+    downloading is tests/test_hub_download.py's); keeps EMBER_CACHE_DIR out."""
     cache = tmp_path / "hf-hub"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("EMBER_CACHE_DIR", raising=False)
     return cache
 

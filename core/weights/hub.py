@@ -3,7 +3,7 @@
 `split_gguf_spec` reads the `org/name:FILE.gguf` spelling. `cached_snapshot` finds
 a complete snapshot in the cache without any network call (the resolver asks it
 first); `download_snapshot` fetches one with huggingface_hub's `snapshot_download`
-(its progress bars, its resumable `.incomplete` files, `HF_TOKEN`), after asking
+(its progress bars, a dropped connection resumed with a Range request, `HF_TOKEN`), after asking
 the Hub which files the revision holds:
   - a safetensors model: config.json, generation_config.json, the tokenizer files
     and every top-level `*.safetensors` with its index (never README, *.bin, *.pt);
