@@ -1,4 +1,4 @@
-"""Ember vs transformers on tiny random Llama, Mistral and Qwen2 models, fp32 on CPU.
+"""Ember vs transformers on tiny random Llama, Mistral, Qwen2 and Qwen3 models, fp32 on CPU.
 
 Eight prompts of different lengths join one continuous batch at staggered steps;
 each must produce exactly the 32 greedy tokens transformers' `generate` gives for
@@ -20,7 +20,7 @@ JOIN_AT_STEP = [0, 0, 1, 2, 3, 5, 8, 13]
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     kind = request.param
     path = tmp_path_factory.mktemp(f"tiny-{kind}")

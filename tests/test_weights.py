@@ -67,6 +67,8 @@ def tiny_model(arch: str = "llama", *, tie: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif arch == "qwen3":  # a head size other than hidden / heads, as Qwen3's 128 is
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():
@@ -79,6 +81,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 _HF_TO_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -112,7 +115,11 @@ def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokeni
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if tokenizer:
         vocab = tiny_vocab()
         writer.add_tokenizer_model("gpt2")
@@ -430,6 +437,27 @@ def test_convert_qwen2_gguf_keeps_biases_and_unpermuted_rows(tmp_path):
     assert_matches_transformers(out, src)
 
 
+def test_qwen3_gguf_converts_with_its_head_size_and_qk_norms_and_generates_as_transformers(tmp_path):
+    model = tiny_model("qwen3")
+    src = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", model, arch="qwen3")
+    out = convert_gguf_to_hf(src, tmp_path / "out", progress=False)
+    state = read_dir_state(out)
+    assert "model.layers.1.self_attn.k_norm.weight" in state
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32
+
+    from ember import LLM, SamplingParams
+
+    prompt = [5, 17, 42, 7, 99, 3]
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=32, block_size=4)
+    ours = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # the same files
+    theirs = oracle.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert list(ours[0].outputs[0].token_ids) == theirs[0, len(prompt):].tolist()
+
+
 def test_convert_rejects_unsupported_architecture(tmp_path):
     src = tmp_path / "other.gguf"
     writer = gguf.GGUFWriter(str(src), "mamba")
@@ -438,7 +466,7 @@ def test_convert_rejects_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match="'mamba'.*llama, qwen2"):
+    with pytest.raises(UnsupportedArchitectureError, match="'mamba'.*llama, qwen2, qwen3"):
         convert_gguf_to_hf(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

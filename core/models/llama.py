@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): GQA, RoPE, RMSNorm, SwiGLU,
-fused qkv and gate/up projections, tied embeddings, paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): GQA, RoPE, RMSNorm, SwiGLU,
+fused qkv and gate/up projections, tied embeddings, paged KV cache; Qwen3 adds an RMSNorm
+over each head's query and key (``q_norm``, ``k_norm``) before RoPE.
 
 Registered as a built-in plugin through Ember's own `ember` entry point.
 """
@@ -25,7 +26,9 @@ from ember.models.parallel.model import (
 from ember.plugin import hookimpl
 from ember.plugin.backend import BaseAttention
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# model types that normalise each head's query and key (RMSNorm over head_dim) before RoPE
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 def _head_dim(cfg) -> int:
@@ -59,6 +62,10 @@ class LlamaAttention(nn.Module):
         self.sizes = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
         self.attn = attention
+        self.q_norm = self.k_norm = None
+        if cfg.model_type in QK_NORM_MODEL_TYPES:  # one weight of head_dim, shared by every head (and rank)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions, hidden, kv_cache, attn_metadata, rotary: RotaryEmbedding):
         q, k, v = self.qkv_proj.forward(hidden).split(self.sizes, dim=-1)
@@ -66,6 +73,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # rows of head_dim, one per (token, head)
+            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary.forward(positions, q, k)
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj.forward(out.reshape(num_tokens, -1))

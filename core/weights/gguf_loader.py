@@ -79,6 +79,7 @@ class GGUFArchitecture:
 SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", is_rotary_permuted=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", is_rotary_permuted=False),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", is_rotary_permuted=False),
 }
 
 
@@ -143,6 +144,11 @@ def convert_gguf_to_hf(
         config = _build_config(
             gguf_path, arch, dtype=dtype, tie_word_embeddings=not has_output and not quantized_head
         )
+        # a head size other than hidden / heads (Qwen3's 128) is `<arch>.attention.key_length`,
+        # which transformers' GGUF config mapping does not read for every architecture
+        key_length = reader.fields.get(f"{arch_name}.attention.key_length")
+        if key_length is not None:
+            config.head_dim = int(key_length.contents())
     if keep_quantized:
         for t in reader.tensors:  # an unsupported type is refused before any work
             _keeps_bytes(gguf_path, t, quantized_head)

@@ -25,6 +25,8 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 # Tensors llama.cpp stores that have no Hugging Face parameter: `rope_freqs`
