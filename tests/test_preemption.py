@@ -1,4 +1,4 @@
-"""Preemption by recompute and priorities on tiny random Llama and Qwen3 models: a KV pool far too
+"""Preemption by recompute and priorities on tiny random Llama, Qwen3 and Phi-3 models: a KV pool far too
 small for the batch gives the same tokens (greedy, seeded, logprobs, prompt
 logprobs) as an ample one, and priorities order the work."""
 
@@ -14,7 +14,7 @@ BLOCK = 4
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(3 + 4 * i)] for i in range(10)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
 def model_dir(tmp_path_factory, request):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}-preempt")
     make_tiny_model(request.param, path, seed=11, max_position_embeddings=128)

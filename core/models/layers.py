@@ -218,6 +218,11 @@ def rope_parameters(hf_config) -> dict:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     params["rope_type"] = rope_type
     params.setdefault("rope_theta", 10000.0)
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported; only 1.0"
+        )
     return params
 
 

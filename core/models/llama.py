@@ -1,6 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): GQA, RoPE, RMSNorm, SwiGLU,
-fused qkv and gate/up projections, tied embeddings, paged KV cache; Qwen3 adds an RMSNorm
-over each head's query and key (``q_norm``, ``k_norm``) before RoPE.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM): GQA, RoPE, RMSNorm,
+SwiGLU, fused qkv and gate/up projections, tied embeddings, paged KV cache; Qwen3 adds an
+RMSNorm over each head's query and key (``q_norm``, ``k_norm``) before RoPE; Phi-3's
+checkpoints store the qkv and gate/up projections already fused.
 
 Registered as a built-in plugin through Ember's own `ember` entry point.
 """
@@ -26,7 +27,9 @@ from ember.models.parallel.model import (
 from ember.plugin import hookimpl
 from ember.plugin.backend import BaseAttention
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+)
 # model types that normalise each head's query and key (RMSNorm over head_dim) before RoPE
 QK_NORM_MODEL_TYPES = ("qwen3",)
 
@@ -242,6 +245,16 @@ class LlamaForCausalLM(BaseCausalLM):
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied copy too
             match = self._LAYER_RE.match(name)
+            if match and match.group(3) in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): split it
+                layer, block, fused, kind = match.groups()
+                module = getattr(getattr(self.layers[int(layer)], block), fused)
+                sizes = module.output_sizes
+                if tensor.shape[0] != sum(sizes):
+                    raise ValueError(f"tensor {name!r} has {tensor.shape[0]} rows, model expects {sum(sizes)}")
+                for index, part in enumerate(tensor.split(list(sizes), dim=0)):
+                    module.load_part(index, kind, part)
+                    loaded.add(f"layers.{layer}.{block}.{fused}.{kind}#{index}")
+                continue
             if match and match.group(3) in self._FUSED:
                 layer, block, proj, kind = match.groups()
                 fused, index = self._FUSED[proj]

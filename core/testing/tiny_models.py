@@ -38,6 +38,7 @@ ARCH = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -62,6 +63,8 @@ def make_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides):
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
+    if kind == "phi3":  # its config's default pad id (32000) lies outside this vocabulary
+        params["pad_token_id"] = tokenizer.pad_token_id
     params.update(overrides)
     config = getattr(transformers, config_name)(**params)
     config.architectures = [arch]
