@@ -165,7 +165,13 @@ class CPUAttention(BaseAttention):
             torch.lt(torch.arange(max_len, device=batch.slot_mapping.device)[None, :], metadata.decode_lens[:, None],
                      out=metadata.decode_mask.view(-1, max_len))
 
-    def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float) -> torch.Tensor:
+    # sliding windows and soft-capping: the native decode kernel takes both; prompts and
+    # the PyTorch-only decodes run `attend_limited` (masked SDPA, or scores by hand with a cap)
+    supports_sliding_window = True
+    supports_softcap = True
+
+    def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         kernels = self.kernels
@@ -178,9 +184,10 @@ class CPUAttention(BaseAttention):
             and kernels.attention_supports(q.shape[1], num_kv_heads, head_dim, q.dtype, kv_cache.dtype)
         if native_decode and metadata.all_decode:
             return kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], metadata.decode_tables,
-                                                  metadata.decode_lens, scale)
+                                                  metadata.decode_lens, scale, window, softcap)
         out = torch.empty_like(q)
         is_gqa = q.shape[1] != num_kv_heads
+        limited = window is not None or softcap is not None
         # Prefill attention runs as one 4-D (batch 1) product: PyTorch's CPU flash
         # kernel takes 4-D inputs (blocked over keys, the causal or context mask read
         # block by block), while 3-D ones fell to the math path, which materializes
@@ -189,6 +196,18 @@ class CPUAttention(BaseAttention):
             qs = q[group.token_start : group.token_end].transpose(0, 1)[None]
             ks = k[group.token_start : group.token_end].transpose(0, 1)[None]
             vs = v[group.token_start : group.token_end].transpose(0, 1)[None]
+            if limited:  # keys from the window's start only: the cached ones it reaches, then the new
+                rows = slice(group.token_start, group.token_end)
+                lo = 0 if window is None else max(0, group.start_position - window + 1)
+                k_all, v_all = k[rows], v[rows]
+                if group.cached_slots is not None and lo < group.start_position:
+                    ctx = group.cached_slots[lo:]
+                    k_all = torch.cat((flat_cache[0][ctx].to(q.dtype), k_all))
+                    v_all = torch.cat((flat_cache[1][ctx].to(q.dtype), v_all))
+                else:
+                    lo = group.start_position
+                out[rows] = attend_limited(q[rows], k_all, v_all, group.start_position, lo, scale, window, softcap)
+                continue
             if group.cached_slots is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=is_gqa)
             else:
@@ -200,7 +219,18 @@ class CPUAttention(BaseAttention):
             if native_decode:
                 rows = metadata.decode_token_index
                 out[rows] = kernels.paged_decode_attention(q[rows], kv_cache[0], kv_cache[1], metadata.decode_tables,
-                                                           metadata.decode_lens, scale)
+                                                           metadata.decode_lens, scale, window, softcap)
+                return out
+            if limited:  # PyTorch only: each decode over its own (windowed) context
+                rows = metadata.decode_token_index
+                rows = range(len(metadata.decode_lens)) if rows is None else rows.tolist()
+                for row, table, length in zip(rows, metadata.decode_tables, metadata.decode_lens.tolist()):
+                    lo = 0 if window is None else max(0, length - window)
+                    positions = torch.arange(lo, length, device=q.device)
+                    slots = table[positions // block_size] * block_size + positions % block_size
+                    out[row : row + 1] = attend_limited(q[row : row + 1], flat_cache[0][slots].to(q.dtype),
+                                                        flat_cache[1][slots].to(q.dtype), length - 1, lo, scale,
+                                                        window, softcap)
                 return out
             mask = metadata.mask()
             num_decodes, max_len = mask.shape[0], mask.shape[-1]
@@ -274,3 +304,40 @@ def _attend_after_context(q, k_ctx, v_ctx, k_new, v_new, scale: float, is_gqa: b
     total = w_ctx + w_new
     o = o_ctx.float().mul_((w_ctx / total)[..., None]).add_(o_new.float().mul_((w_new / total)[..., None]))
     return o.to(q.dtype)
+
+
+LIMITED_ROWS = 256  # query rows per product in attend_limited: scores of at most rows x (rows + window)
+
+
+def attend_limited(q, k_all, v_all, first_position: int, key_start: int, scale: float,
+                   window: int | None, softcap: float | None) -> torch.Tensor:
+    """Causal attention of ``q`` (n, H, D), queries at positions ``first_position ..``, over
+    ``k_all``/``v_all`` (ctx, Hkv, D), keys at positions ``key_start ..`` (the last key is
+    the last query's), with a sliding ``window`` and/or a logit ``softcap``. Queries go in
+    groups of `LIMITED_ROWS`, each over the keys its window reaches: masked SDPA, or,
+    with a cap, the scores by hand in float32 (SDPA cannot cap)."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k_all.shape[1]
+    out = torch.empty_like(q)
+    for a in range(0, n, LIMITED_ROWS):
+        b = min(n, a + LIMITED_ROWS)
+        q_pos = torch.arange(first_position + a, first_position + b)[:, None]
+        lo = key_start if window is None else max(key_start, first_position + a - window + 1)
+        hi = first_position + b
+        k_pos = torch.arange(lo, hi)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        qs = q[a:b].transpose(0, 1)[None]  # (1, H, m, D)
+        ks = k_all[lo - key_start : hi - key_start].transpose(0, 1)[None]
+        vs = v_all[lo - key_start : hi - key_start].transpose(0, 1)[None]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        else:
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            scores = (qs.float() @ ks.float().transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            o = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vs.float()).to(q.dtype)
+        out[a:b] = o[0].transpose(0, 1)
+    return out

@@ -130,8 +130,10 @@ class NativeKernels:
                             bf16_name="ember_gemv_bf16_bf16")
         # float32 and bfloat16 instantiations of attention and the layer ops, by dtype
         vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        cf = ctypes.c_float
+        # ... scale, nthreads[, kv], window, softcap
         self._attention = _typed(lib, "ember_paged_decode_attention",
-                                 [vp, i64] + [vp] * 5 + [i64] * 7 + [ctypes.c_float, ci], restype=ci)
+                                 [vp, i64] + [vp] * 5 + [i64] * 7 + [cf, ci, i64, cf], restype=ci)
         self._greedy = NativeFunction(lib, "ember_greedy", [vp, i64, i64, vp, vp, ci], None)
         # greedy's outputs, per number of rows: reused (a decode step then creates no
         # tensor; each small allocation costs tens of microseconds right after a forward)
@@ -142,7 +144,7 @@ class NativeKernels:
                             [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         self._silu_mul = _typed(lib, "ember_silu_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
         self._attention_kv16 = NativeFunction(lib, "ember_paged_decode_attention_kv16",
-                                              [vp, i64] + [vp] * 5 + [i64] * 7 + [ctypes.c_float, ci, ci], ci)
+                                              [vp, i64] + [vp] * 5 + [i64] * 7 + [cf, ci, ci, i64, cf], ci)
         self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci, ci, ci], ci)
         self._embedding = NativeFunction(lib, "ember_embedding", [vp, i64, i64, vp, i64, vp], ci)
         # a CPU graph's replay (ember.hardware.cpu_graphs): records, count, &failed index
@@ -190,12 +192,16 @@ class NativeKernels:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``q`` (B, Hq, D) float32 or bfloat16, one query token per request (heads and
         dims contiguous, rows any stride apart: the q part of a fused qkv); ``k_cache``,
         ``v_cache`` (num_blocks, block_size, Hkv, D) of q's dtype; ``block_tables`` (B, max_blocks) and
         ``context_lens`` (B,) int64. Returns softmax(scale q K^T) V over each request's
-        first ``context_lens[b]`` cached tokens, (B, Hq, D). ValueError naming the
+        first ``context_lens[b]`` cached tokens (only its last ``window`` ones for a
+        sliding-window layer; each score ``softcap tanh(s / softcap)`` with ``softcap``),
+        (B, Hq, D). ValueError naming the
         problem, before any work, unless every length lies in ``[1, max_blocks *
         block_size]`` and every block id a request reads in ``[0, num_blocks)`` (the
         kernel checks: it reads where the tables point)."""
@@ -227,10 +233,13 @@ class NativeKernels:
         args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 context_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, block_size, max_blocks, num_blocks, scale,
                 torch.get_num_threads())
+        if window is not None and window < 1 or softcap is not None and not softcap > 0:
+            raise ValueError(f"paged_decode_attention: window must be >= 1 and softcap > 0, got {window}, {softcap}")
+        extra = (window or 0, float(softcap or 0.0))
         if k_cache.dtype == q.dtype:
-            rc = self._attention[q.dtype](*args)
+            rc = self._attention[q.dtype](*args, *extra)
         else:
-            rc = self._attention_kv16(*args, KV_TYPES[k_cache.dtype])
+            rc = self._attention_kv16(*args, KV_TYPES[k_cache.dtype], *extra)
         if rc == -1:
             raise ValueError(f"paged_decode_attention: context lengths must lie in [1, {max_blocks * block_size}]")
         if rc:

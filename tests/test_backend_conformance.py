@@ -93,9 +93,34 @@ class MutatesMetadata(CPUAttention):
         return out
 
 
+class IgnoresTheWindow(CPUAttention):
+    """Declares sliding windows but attends over the whole context."""
+
+    def forward(self, q, k, v, kv_cache, metadata, scale, *, window=None, softcap=None):
+        return super().forward(q, k, v, kv_cache, metadata, scale, softcap=softcap)
+
+
+class WindowOneShort(CPUAttention):
+    """Off by one: a window of w keys is taken as w - 1."""
+
+    def forward(self, q, k, v, kv_cache, metadata, scale, *, window=None, softcap=None):
+        return super().forward(q, k, v, kv_cache, metadata, scale, softcap=softcap,
+                               window=None if window is None else window - 1)
+
+
+class IgnoresTheSoftcap(CPUAttention):
+    """Declares logit soft-capping but never caps."""
+
+    def forward(self, q, k, v, kv_cache, metadata, scale, *, window=None, softcap=None):
+        return super().forward(q, k, v, kv_cache, metadata, scale, window=window)
+
+
 @pytest.mark.parametrize(
     "attention_cls, message",
     [
+        (IgnoresTheWindow, "window 5: layer 0"),
+        (WindowOneShort, "window 5: layer 0"),
+        (IgnoresTheSoftcap, "softcap 0.75: layer 0"),
         (NonCausalPrefill, "differs from the reference"),
         (DecodeSeesWholeTable, "differs from the reference"),
         (WritesAStraySlot, "changed that this step's tokens do not own"),
@@ -135,3 +160,34 @@ def test_unavailable_backend_is_skipped():
     absent = backend_with(CPUAttention, is_available=classmethod(lambda cls: False))
     with pytest.raises(unittest.SkipTest, match="not available"):
         check_backend(absent)
+
+
+def test_attention_without_limits_is_checked_plain_only():
+    """A backend written for plugin API 1.0 (no window, no softcap) still conforms:
+    the limited checks run only for what an attention declares."""
+    from ember.testing.backend_conformance import attention_limits
+
+    class Plain(CPUAttention):
+        supports_sliding_window = False
+        supports_softcap = False
+
+        def forward(self, q, k, v, kv_cache, metadata, scale):  # the 1.0 signature
+            return super().forward(q, k, v, kv_cache, metadata, scale)
+
+    assert attention_limits(Plain()) == [(None, None)]
+    assert len(attention_limits(CPUAttention())) == 4
+    check_backend(backend_with(Plain))
+
+
+def test_models_needing_limits_are_refused_on_attention_without_them():
+    from ember.plugin.backend import require_attention_features
+
+    class Plain(CPUAttention):
+        supports_sliding_window = False
+        supports_softcap = False
+
+    require_attention_features(CPUAttention(), "Gemma2ForCausalLM", window=True, softcap=True)
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM needs sliding-window attention and attention logit "
+                                         "soft-capping, which the attention 'cpu'"):
+        require_attention_features(Plain(), "Gemma2ForCausalLM", window=True, softcap=True)
+    require_attention_features(Plain(), "LlamaForCausalLM")

@@ -116,6 +116,11 @@ class BaseAttention(ABC):
         to `forward` of every layer unchanged. Work here should be O(requests), not
         O(context): a decode step must not walk each request's history."""
 
+    #: whether `forward` honours ``window`` (sliding-window layers: Mistral, Gemma 2/3)
+    supports_sliding_window: ClassVar[bool] = False
+    #: whether `forward` honours ``softcap`` (attention logit soft-capping: Gemma 2)
+    supports_softcap: ClassVar[bool] = False
+
     @abstractmethod
     def forward(
         self,
@@ -125,11 +130,22 @@ class BaseAttention(ABC):
         kv_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's ``k``/``v`` into ``kv_cache`` at each token's slot, then
         return causal attention of every query over its own request's context
         (cached tokens plus this step's), shape ``(num_tokens, num_heads, head_dim)``,
-        dtype of ``q``. Must not read or write slots of other requests."""
+        dtype of ``q``. Must not read or write slots of other requests.
+
+        ``window`` (only passed when ``supports_sliding_window``; plugin API 1.1): the
+        query at position ``p`` attends only to keys at positions ``p - window < j <= p``
+        (transformers' ``sliding_window``; flash-attn's ``window_size=(window - 1, 0)``).
+        ``softcap`` (only passed when ``supports_softcap``): every score ``s`` (already
+        multiplied by ``scale``) becomes ``softcap * tanh(s / softcap)`` before the mask
+        and the softmax. A model that needs either on an attention without it is refused
+        at load, naming the attention and the model (`require_attention_features`)."""
 
     #: whether ``graph_metadata`` / ``fill_graph_metadata`` are implemented (decode
     #: steps can then be captured in device graphs, ``ember.worker.graphs``)
@@ -148,6 +164,20 @@ class BaseAttention(ABC):
         ``max_blocks`` blocks each) into ``metadata`` from `graph_metadata`, in place;
         rows ``n ..`` become padding: their slot -1, their reads valid cache slots."""
         raise NotImplementedError(f"{type(self).__name__} does not support device graphs")
+
+
+def require_attention_features(attention: BaseAttention, model: str, *, window: bool = False,
+                               softcap: bool = False) -> None:
+    """ValueError naming ``attention`` and ``model`` unless the attention honours what the
+    model's layers need (sliding windows, logit soft-capping): run without them, such a
+    model's answers would be silently wrong past the window or wherever a score is large."""
+    missing = [what for what, needed, has in (
+        ("sliding-window attention", window, attention.supports_sliding_window),
+        ("attention logit soft-capping", softcap, attention.supports_softcap),
+    ) if needed and not has]
+    if missing:
+        raise ValueError(f"{model} needs {' and '.join(missing)}, which the attention {attention.name!r} "
+                         f"({type(attention).__name__}) does not support; choose another backend")
 
 
 class BaseBackend(ABC):

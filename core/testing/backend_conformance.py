@@ -97,8 +97,38 @@ def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: i
     backend = check_backend_basics(backend_cls)
     dtypes = [torch.float32] + [d for d in backend.supported_dtypes if d != torch.float32 and d in TOLERANCES]
     for dtype in dtypes:
-        check_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed)
-        check_graph_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed)
+        for window, softcap in attention_limits(backend.create_attention()):
+            check_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed, window=window, softcap=softcap)
+            check_graph_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed, window=window, softcap=softcap)
+
+
+# what the limited-attention checks use, at BLOCK_SIZE (scaled with larger blocks): a
+# window shorter than most contexts of MIXED_BATCH, and a cap that bends typical scores
+CHECK_WINDOW = 5
+CHECK_SOFTCAP = 0.75
+
+
+def attention_limits(attention: BaseAttention) -> list[tuple[int | None, float | None]]:
+    """The (window, softcap) settings to check ``attention`` with: plain causal always,
+    then each limit it declares (``supports_sliding_window``, ``supports_softcap``), and both."""
+    limits: list[tuple[int | None, float | None]] = [(None, None)]
+    if attention.supports_sliding_window:
+        limits.append((CHECK_WINDOW, None))
+    if attention.supports_softcap:
+        limits.append((None, CHECK_SOFTCAP))
+    if attention.supports_sliding_window and attention.supports_softcap:
+        limits.append((CHECK_WINDOW, CHECK_SOFTCAP))
+    return limits
+
+
+def _limits(window: int | None, softcap: float | None, factor: int) -> dict:
+    """forward's keyword arguments for these limits (none at all for plain causal)."""
+    kwargs: dict = {}
+    if window is not None:
+        kwargs["window"] = window * factor
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    return kwargs
 
 
 def check_backend_basics(backend_cls: type[BaseBackend]) -> BaseBackend:
@@ -175,18 +205,21 @@ def check_attention(
     head_dim: int = 64,
     seed: int = 0,
     batch: tuple[tuple[int, int], ...] = MIXED_BATCH,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Run one step of `batch` through two layers sharing one metadata object, then
     check outputs against the reference and the caches slot by slot. Repeats with
     the prefills alone and the decodes alone, which backends often route to
-    different kernels."""
+    different kernels. ``window``/``softcap`` (at `BLOCK_SIZE`; the window scales with
+    larger blocks): forward's limits, checked against the reference's."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     prefills = tuple(r for r in batch if r[0] == 0)
     decodes = tuple(r for r in batch if r[0] > 0 and r[1] == 1)
     for sub_batch in (batch, prefills, decodes):
         if sub_batch:
-            _check_step(backend, sub_batch, dtype, head_dim, rng, gen)
+            _check_step(backend, sub_batch, dtype, head_dim, rng, gen, window, softcap)
 
 
 def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random, block_size: int) -> list[list[int]]:
@@ -223,17 +256,24 @@ def _make_requests(
     ]
 
 
-def reference_attention(request: RequestCase, scale: float) -> torch.Tensor:
-    """Dense causal attention of one request's new queries over its whole context,
+def reference_attention(request: RequestCase, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Dense causal attention of one request's new queries over its whole context (the
+    last ``window`` positions up to each query's; scores capped ``softcap tanh(s / softcap)``),
     in float64: ``(num_new, num_heads, head_dim)``."""
     group = NUM_HEADS // NUM_KV_HEADS
     k = request.k.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, context, D)
     v = request.v.repeat_interleave(group, dim=1).transpose(0, 1)
     q = request.q.transpose(0, 1)  # (heads, new, D)
     scores = q @ k.transpose(1, 2) * scale  # (heads, new, context)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(request.num_cached, request.num_cached + request.num_new)[:, None]
     key_pos = torch.arange(request.k.shape[0])[None, :]
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (scores.softmax(dim=-1) @ v).transpose(0, 1)
 
 
@@ -253,7 +293,7 @@ def _cache_with_context(
 
 def check_graph_attention(
     backend: BaseBackend, *, dtype: torch.dtype = torch.float32, head_dim: int = 64, seed: int = 0,
-    padding: int = 3,
+    padding: int = 3, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """For an attention with ``supports_graphs``: its static decode metadata
     (``graph_metadata`` once, ``fill_graph_metadata`` per step) gives the reference
@@ -295,15 +335,17 @@ def check_graph_attention(
         q = padded([r.q for r in requests])
         k = padded([r.k[r.num_cached :] for r in requests])
         v = padded([r.v[r.num_cached :] for r in requests])
-        out = attention.forward(q, k, v, kv_cache, metadata, scale)
+        limits = _limits(window, softcap, block_size // BLOCK_SIZE)
+        out = attention.forward(q, k, v, kv_cache, metadata, scale, **limits)
         backend.synchronize()
-        where = f"{backend.name}: graph metadata, step {step}, dtype {dtype}, {len(requests)} decodes + {pad} padding rows"
+        where = (f"{backend.name}: graph metadata, step {step}, dtype {dtype}, {len(requests)} decodes + {pad} "
+                 f"padding rows{_where_limits(limits)}")
         assert tuple(out.shape) == (size, NUM_HEADS, head_dim), f"{where}: output shape {tuple(out.shape)}"
         out = out.cpu().double()
         for index, r in enumerate(requests):
             rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(),
                                   r.v.to(dtype).double(), block_size)
-            expected = reference_attention(rounded, scale)
+            expected = reference_attention(rounded, scale, **limits)
             if not torch.allclose(out[index : index + 1], expected, atol=atol, rtol=rtol):
                 error = (out[index : index + 1] - expected).abs().max().item()
                 raise AssertionError(f"{where}: request {index} (cached {r.num_cached}) differs from the reference "
@@ -318,6 +360,8 @@ def _check_step(
     head_dim: int,
     rng: random.Random,
     gen: torch.Generator,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     device = backend.device
     name = backend.name
@@ -346,15 +390,16 @@ def _check_step(
         seq_lens=attention_batch.seq_lens.to(device), query_start_loc=attention_batch.query_start_loc.to(device),
     )
     metadata = attention.prepare(attention_batch)
+    limits = _limits(window, softcap, block_size // BLOCK_SIZE)
     outputs = []
     for requests, kv_cache in zip(layers, device_caches):
         q = torch.cat([r.q for r in requests]).to(dtype).to(device)
         k = torch.cat([r.k[r.num_cached :] for r in requests]).to(dtype).to(device)
         v = torch.cat([r.v[r.num_cached :] for r in requests]).to(dtype).to(device)
-        outputs.append(attention.forward(q, k, v, kv_cache, metadata, scale))
+        outputs.append(attention.forward(q, k, v, kv_cache, metadata, scale, **limits))
     backend.synchronize()
 
-    where = f"{name}, dtype {dtype}, batch (cached, new) = {list(batch)}"
+    where = f"{name}, dtype {dtype}, batch (cached, new) = {list(batch)}{_where_limits(limits)}"
     for layer, (requests, out, kv_cache, old) in enumerate(zip(layers, outputs, device_caches, before)):
         num_tokens = sum(r.num_new for r in requests)
         expected_shape = (num_tokens, NUM_HEADS, head_dim)
@@ -367,7 +412,7 @@ def _check_step(
             # The reference sees what the backend sees: inputs rounded to `dtype`.
             rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(),
                                   r.v.to(dtype).double(), block_size)
-            expected = reference_attention(rounded, scale)
+            expected = reference_attention(rounded, scale, **limits)
             got = out[row : row + r.num_new]
             if not torch.allclose(got, expected, atol=atol, rtol=rtol):
                 error = (got - expected).abs().max().item()
@@ -377,6 +422,10 @@ def _check_step(
                 )
             row += r.num_new
         _check_cache(kv_cache.cpu(), old, requests, dtype, f"{where}: layer {layer}")
+
+
+def _where_limits(limits: dict) -> str:
+    return "".join(f", {key} {value}" for key, value in limits.items())
 
 
 def _check_cache(

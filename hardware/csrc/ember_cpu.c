@@ -198,7 +198,9 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
  * (k_cache, v_cache: (num_blocks, block_size, Hkv, D); token t of request b lives at
  * block block_tables[b, t / block_size], offset t % block_size). q, out: (B, Hq, D).
  * D is a multiple of 8 and Hq a multiple of Hkv (GQA: G = Hq / Hkv query heads share
- * a KV head), Hq * D <= 16384.
+ * a KV head), Hq * D <= 16384. window > 0: only the last `window` tokens (a sliding-window
+ * layer; blocks before the window are not read); softcap > 0: each scaled score s becomes
+ * softcap tanh(s / softcap) (Gemma 2).
  *
  * One task per request streams its blocks once, in memory order: a block holds
  * block_size whole rows of all KV heads, so K and V come from memory sequentially
@@ -254,7 +256,8 @@ static inline __m256 hsum8(const __m256 a[8]) {
 INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                    const int64_t *block_tables, const int64_t *context_lens, void *out,
                                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                   int64_t max_blocks, float scale, int nthreads, int bf16, int kv) {
+                                   int64_t max_blocks, float scale, int nthreads, int bf16, int kv,
+                                   int64_t window, float softcap) {
     const int64_t G = Hq / Hkv, row = Hkv * D;
     /* fewer requests than threads: one task per (request, KV head), so one decode's
      * heads share the cores; else one task per request, every head on each block */
@@ -266,6 +269,8 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
         for (int64_t task = 0; task < B * splits; ++task) {
             const int64_t b = task / splits, hq0 = task % splits * heads_per_task * G, hq1 = hq0 + heads_per_task * G;
             const int64_t L = context_lens[b];
+            /* a sliding window: keys from position t_lo on; blocks from the one holding it */
+            const int64_t t_lo = window > 0 && L > window ? L - window : 0, t_first = t_lo / block_size * block_size;
             const int64_t *table = block_tables + b * max_blocks;
             const float *qb;
             if (bf16) {
@@ -280,7 +285,7 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
                 continue;
             }
             const int64_t esize = kv == KV_F32 ? 4 : 2;
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+            for (int64_t t0 = t_first; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
                 /* the next block's keys, a share per head: blocks lie anywhere in the pool */
@@ -314,11 +319,14 @@ INLINE void paged_decode_attention(const void *q, int64_t q_stride, const void *
             float inv[4096];
             for (int64_t hq = hq0; hq < hq1; ++hq) {
                 float *s = scores + hq * L, m = -INFINITY;
-                for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
-                inv[hq] = 1.0f / sum_exp(s, L, m, 1);
+                if (softcap > 0)  /* Gemma 2: softcap tanh(s / softcap), s already scaled */
+                    for (int64_t t = t_lo; t < L; ++t) s[t] = softcap * tanhf(s[t] / softcap);
+                for (int64_t t = t_lo; t < L; ++t) m = s[t] > m ? s[t] : m;
+                inv[hq] = 1.0f / sum_exp(s + t_lo, L - t_lo, m, 1);
+                for (int64_t t = t_first; t < t_lo; ++t) s[t] = 0.0f;  /* before the window: weight 0 */
             }
             memset(acc + hq0 * D, 0, sizeof(float) * (hq1 - hq0) * D);
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+            for (int64_t t0 = t_first; t0 < L; t0 += block_size) {
                 const int64_t block = table[t0 / block_size] * block_size * row;
                 const int64_t n_t = L - t0 < block_size ? L - t0 : block_size;
                 const char *next = t0 + block_size < L
@@ -360,11 +368,12 @@ static int check_tables(const int64_t *block_tables, const int64_t *context_lens
 int ember_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                  const int64_t *block_tables, const int64_t *context_lens, float *out,
                                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                 int64_t max_blocks, int64_t num_blocks, float scale, int nthreads) {
+                                 int64_t max_blocks, int64_t num_blocks, float scale, int nthreads,
+                                 int64_t window, float softcap) {
     const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
     if (rc) return rc;
     paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
-                           max_blocks, scale, nthreads, 0, KV_F32);
+                           max_blocks, scale, nthreads, 0, KV_F32, window, softcap);
     return 0;
 }
 
@@ -372,11 +381,11 @@ int ember_paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const
                                       const uint16_t *v_cache, const int64_t *block_tables,
                                       const int64_t *context_lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv,
                                       int64_t D, int64_t block_size, int64_t max_blocks, int64_t num_blocks,
-                                      float scale, int nthreads) {
+                                      float scale, int nthreads, int64_t window, float softcap) {
     const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
     if (rc) return rc;
     paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D, block_size,
-                           max_blocks, scale, nthreads, 1, KV_BF16);
+                           max_blocks, scale, nthreads, 1, KV_BF16, window, softcap);
     return 0;
 }
 
@@ -385,16 +394,16 @@ int ember_paged_decode_attention_kv16(const float *q, int64_t q_stride, const ui
                                       const uint16_t *v_cache, const int64_t *block_tables,
                                       const int64_t *context_lens, float *out, int64_t B, int64_t Hq, int64_t Hkv,
                                       int64_t D, int64_t block_size, int64_t max_blocks, int64_t num_blocks,
-                                      float scale, int nthreads, int kv) {
+                                      float scale, int nthreads, int kv, int64_t window, float softcap) {
     if (kv != KV_BF16 && kv != KV_F16) return -3;
     const int rc = check_tables(block_tables, context_lens, B, block_size, max_blocks, num_blocks);
     if (rc) return rc;
     if (kv == KV_BF16)
         paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D,
-                               block_size, max_blocks, scale, nthreads, 0, KV_BF16);
+                               block_size, max_blocks, scale, nthreads, 0, KV_BF16, window, softcap);
     else
         paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, B, Hq, Hkv, D,
-                               block_size, max_blocks, scale, nthreads, 0, KV_F16);
+                               block_size, max_blocks, scale, nthreads, 0, KV_F16, window, softcap);
     return 0;
 }
 
@@ -606,11 +615,13 @@ int ember_gemv_bf16_bf16__packed(const int64_t *a) {
 }
 int ember_paged_decode_attention__packed(const int64_t *a) {
     return ember_paged_decode_attention(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8], a[9],
-                                        a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15]);
+                                        a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15], a[16],
+                                        packed_float(a[17]));
 }
 int ember_paged_decode_attention_bf16__packed(const int64_t *a) {
     return ember_paged_decode_attention_bf16(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8],
-                                             a[9], a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15]);
+                                             a[9], a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15],
+                                             a[16], packed_float(a[17]));
 }
 int ember_rms_norm__packed(const int64_t *a) {
     ember_rms_norm(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5], a[6], packed_float(a[7]), (int)a[8]);
@@ -643,7 +654,7 @@ int ember_kv_write__packed(const int64_t *a) {
 int ember_paged_decode_attention_kv16__packed(const int64_t *a) {
     return ember_paged_decode_attention_kv16(PTR(0), a[1], PTR(2), PTR(3), PTR(4), PTR(5), PTR(6), a[7], a[8], a[9],
                                              a[10], a[11], a[12], a[13], packed_float(a[14]), (int)a[15],
-                                             (int)a[16]);
+                                             (int)a[16], a[17], packed_float(a[18]));
 }
 int ember_embedding__packed(const int64_t *a) {
     return ember_embedding(PTR(0), a[1], a[2], PTR(3), a[4], PTR(5));
