@@ -23,7 +23,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ember.api.cli_env import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, KV_CACHE_DTYPES, LOG_LEVELS, PROG, UsageError,
+    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, KV_CACHE_DTYPES, LOG_LEVELS, MODEL_IMPLS, PROG,
+    UsageError,
     apply_defaults, parse_graph_sizes, parse_names, parse_size_option, retired_variable_warnings,
 )
 from ember.api.commands import (
@@ -93,6 +94,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gguf-file", metavar="F", default=None,
                        help="the one GGUF file of the hub repo --model-id to fetch and load (as org/name:F)")
     group.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default auto) [EMBER_DTYPE]")
+    group.add_argument(
+        "--model-impl", choices=MODEL_IMPLS, default=None,
+        help="which code runs the model: ember (native; refused when the architecture has none), transformers "
+        "(the fallback through transformers' modeling code with Ember's paged attention), auto (default: native "
+        "where it exists, else the fallback; docs/model-impl.md) [EMBER_MODEL_IMPL]",
+    )
     group.add_argument(
         "--quantize", metavar="NAME", default=None,
         help="quantize a float checkpoint's weights at load: int8 (per channel), int4 (groups of 64), int4-g32, "

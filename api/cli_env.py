@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ember.config import KV_CACHE_DTYPES
+from ember.config import KV_CACHE_DTYPES, MODEL_IMPLS
 
 PROG = "ember"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -142,6 +142,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "quantize": EnvOption("EMBER_QUANTIZE", str),
     "dequantize": EnvOption("EMBER_DEQUANTIZE", _parse_bool),
     "kv_cache_dtype": EnvOption("EMBER_KV_CACHE_DTYPE", _choice(KV_CACHE_DTYPES)),
+    "model_impl": EnvOption("EMBER_MODEL_IMPL", _choice(MODEL_IMPLS)),
     "grammar_compile_timeout": EnvOption("EMBER_GRAMMAR_COMPILE_TIMEOUT", float),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
@@ -194,6 +195,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "quantize": None,
     "dequantize": False,
     "kv_cache_dtype": "auto",
+    "model_impl": "auto",
     "grammar_compile_timeout": 60.0,
     "watermark_key": None,  # None: the watermark plugin's own defaults
     "watermark_gamma": None,

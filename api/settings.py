@@ -84,6 +84,7 @@ class ServerSettings:
     quantize: str | None = None
     dequantize: bool = False
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype (EngineConfig.kv_cache_dtype)
+    model_impl: str = "auto"  # --model-impl (EngineConfig.model_impl)
     # the backend's options by name (--backend-option KEY=VALUE, EMBER_BACKEND_OPTIONS;
     # EngineConfig.backend_options), strings parsed and checked by the backend
     backend_options: dict = field(default_factory=dict)
@@ -312,6 +313,8 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["dequantize"] = True
     if settings.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
+    if settings.model_impl != "auto":
+        kwargs["model_impl"] = settings.model_impl
     return kwargs
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.kv_cache_dtype
+MODEL_IMPLS = ("auto", "ember", "transformers")  # EngineConfig.model_impl
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_timeout_s: float = 300.0
+    # Which code runs the model (--model-impl, vLLM's flag; docs/model-impl.md): "ember"
+    # its native architecture (refused when there is none), "transformers" the fallback
+    # through transformers' modeling code with Ember's paged attention, "auto" native
+    # where it exists, else the fallback
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(
@@ -177,6 +183,14 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
+        if self.model_impl == "transformers" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"model_impl 'transformers' (the transformers fallback) does not support tensor or pipeline "
+                f"parallelism: got tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}"
+            )
         timeout = self.parallel_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")

@@ -167,8 +167,12 @@ def test_generate_required_plugin_errors_name_it(tiny_llama_dir, capsys):
 
 def test_generate_disabled_plugin_reaches_the_engine(tiny_llama_dir, capsys, monkeypatch):
     monkeypatch.setenv("EMBER_DISABLE_PLUGIN", "llama")
-    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir)]) == 2
+    # without its native code, --model-impl ember refuses the architecture ...
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), "--model-impl", "ember"]) == 2
     assert "model architecture ['LlamaForCausalLM'] is not supported" in capsys.readouterr().err
+    # ... and auto (the default) runs it through the transformers fallback
+    assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), *GREEDY]) == 0
+    assert "model implementation: transformers fallback (LlamaForCausalLM" in capsys.readouterr().err
     # the flag replaces the variable's list
     assert main(["generate", "hello", "--model-id", str(tiny_llama_dir), "--disable-plugin", "nothing", *GREEDY]) == 0
 

@@ -135,7 +135,7 @@ class EngineCore:
             self.model = self.parallel.load_model()
         else:
             self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
-                                    quantizer, config.dequantize)
+                                    quantizer, config.dequantize, config.model_impl)
 
         max_model_len = self.max_model_len
         prefill_batched = None  # the budget of a step with no decode: the same

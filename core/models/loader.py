@@ -11,7 +11,9 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ember.models.base import BaseCausalLM
+from ember.config import MODEL_IMPLS
 from ember.models.layers import Linear
+from ember.models.transformers_impl import TransformersCausalLM, transformers_class
 from ember.plugin.backend import BaseAttention, BaseBackend
 from ember.plugin.quantizer import BaseQuantizer, resolve_ops
 from ember.plugin.registry import Registry
@@ -69,16 +71,41 @@ def prefill_context_scale(hf_config: PretrainedConfig) -> float | None:
     return linear / (2 * heads * head_dim) if linear > 0 and heads * head_dim > 0 else None
 
 
-def get_model_class(hf_config: PretrainedConfig, architectures: Registry) -> type[BaseCausalLM]:
+def get_model_class(
+    hf_config: PretrainedConfig, architectures: Registry, model_impl: str = "auto",
+) -> type[BaseCausalLM]:
+    """The class that runs the model. ``model_impl`` (``EngineConfig.model_impl``):
+    ``"ember"`` the native class registered for the config's architecture, else a
+    ValueError listing the supported ones; ``"transformers"`` the transformers fallback
+    (``ember.models.transformers_impl``) whatever is registered; ``"auto"`` the native
+    class where there is one, else the fallback. The fallback refuses, naming the
+    architecture, what transformers cannot run behind Ember's paged attention."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
     names = list(getattr(hf_config, "architectures", None) or [])
-    for name in names:
-        if name in architectures:
-            return architectures.get(name)
+    if model_impl != "transformers":
+        for name in names:
+            if name in architectures:
+                return architectures.get(name)
     supported = ", ".join(architectures.names()) or "none"
-    raise ValueError(
-        f"model architecture {names or '(none in config.json)'} is not supported; "
-        f"supported architectures: {supported} (install a plugin that registers it)"
-    )
+    unsupported = (f"model architecture {names or '(none in config.json)'} is not supported; "
+                   f"supported architectures: {supported} (install a plugin that registers it)")
+    if model_impl == "ember":
+        raise ValueError(unsupported)
+    try:
+        transformers_class(hf_config)
+    except ValueError as exc:
+        if model_impl == "transformers":
+            raise
+        raise ValueError(f"{unsupported}; nor can the transformers fallback run it: {exc}") from None
+    return TransformersCausalLM
+
+
+def describe_model_impl(cls: type[BaseCausalLM], hf_config: PretrainedConfig) -> str:
+    """What logs say runs the model: the native class, or the transformers fallback and the class it wraps."""
+    if issubclass(cls, TransformersCausalLM):
+        return f"transformers fallback ({transformers_class(hf_config).__name__} through transformers' modeling code)"
+    return f"ember (native {cls.__name__})"
 
 
 def load_model(
@@ -90,11 +117,14 @@ def load_model(
     architectures: Registry,
     quantizer: BaseQuantizer | None = None,
     dequantize: bool = False,
+    model_impl: str = "auto",
 ) -> BaseCausalLM:
     """``quantizer`` (``ember.plugin.quantizer.select_quantizer``): the linears it packs run
     through the backend's op for their format; ``dequantize``: a format the backend has
-    no op for is loaded as float weights instead of refused (docs/quantization.md)."""
-    cls = get_model_class(hf_config, architectures)
+    no op for is loaded as float weights instead of refused (docs/quantization.md);
+    ``model_impl``: which implementation runs it (`get_model_class`)."""
+    cls = get_model_class(hf_config, architectures, model_impl)
+    logger.info("model implementation: %s (model_impl=%s)", describe_model_impl(cls, hf_config), model_impl)
     compute_dtype = backend.compute_dtype(dtype)
     weight_dtype = backend.weight_dtype(dtype)
     ops = resolve_ops(quantizer, backend, compute_dtype, dequantize) if quantizer is not None else {}
