@@ -1,4 +1,5 @@
-"""Ember vs transformers on tiny random Llama, Mistral, Qwen2, Qwen3 and Phi-3 models, fp32 on CPU.
+"""Ember vs transformers on tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 models, fp32
+on CPU (the Gemmas with a sliding window of 6 keys, Gemma 2 with its soft-caps).
 
 Eight prompts of different lengths join one continuous batch at staggered steps;
 each must produce exactly the 32 greedy tokens transformers' `generate` gives for
@@ -20,7 +21,7 @@ JOIN_AT_STEP = [0, 0, 1, 2, 3, 5, 8, 13]
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def tiny(request, tmp_path_factory):
     kind = request.param
     path = tmp_path_factory.mktemp(f"tiny-{kind}")
@@ -152,15 +153,3 @@ def test_chunked_prefill_matches_transformers(tiny):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert results[f"c{i}"] == ref, f"{kind}: prompt {i} (length {len(prompt)}) diverged under chunked prefill"
-
-
-@pytest.mark.parametrize("rope, named", [
-    ({"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
-      "original_max_position_embeddings": 128}, "'longrope'"),
-    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-])
-def test_phi3_rope_variants_not_implemented_are_refused_by_name(tmp_path, rope, named):
-    """Phi-3's LongRoPE (the 128k variants) and partial rotary (Phi-4-mini) are refused, not approximated."""
-    make_tiny_model("phi3", tmp_path, rope_parameters=rope, max_position_embeddings=512)
-    with pytest.raises(ValueError, match=named):
-        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=16, block_size=4))

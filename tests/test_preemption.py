@@ -14,7 +14,7 @@ BLOCK = 4
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(3 + 4 * i)] for i in range(10)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3", "gemma3"])
 def model_dir(tmp_path_factory, request):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}-preempt")
     make_tiny_model(request.param, path, seed=11, max_position_embeddings=128)

@@ -102,3 +102,20 @@ class BaseCausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the model; raise
         ValueError naming any missing or unexpected tensor."""
+
+
+def layer_sliding_window(hf_config, index: int) -> int | None:
+    """The sliding window of layer ``index`` (keys a query reaches, itself included), or
+    None for global attention, as transformers reads the config: ``layer_types`` where it
+    is given (Gemma 2/3, Qwen2/3: ``"sliding_attention"`` layers slide), else every layer
+    slides when ``sliding_window`` is set (Mistral, Phi-3) unless ``use_sliding_window``
+    is false (Qwen2)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds:
+        return int(window) if kinds[index] == "sliding_attention" else None
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

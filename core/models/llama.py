@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.models.base import BaseCausalLM, KVCacheSpec
+from ember.models.base import BaseCausalLM, KVCacheSpec, layer_sliding_window
 from ember.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
 from ember.models.parallel.model import (
     build_parallel_shard,
@@ -25,13 +25,13 @@ from ember.models.parallel.model import (
     pipeline_forward,
 )
 from ember.plugin import hookimpl
-from ember.plugin.backend import BaseAttention
+from ember.plugin.backend import BaseAttention, require_attention_features
 
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
 )
 # model types that normalise each head's query and key (RMSNorm over head_dim) before RoPE
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def _head_dim(cfg) -> int:
@@ -65,6 +65,7 @@ class LlamaAttention(nn.Module):
         self.sizes = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
         self.attn = attention
+        self.limits: dict = {}  # this layer's attention keywords: its sliding window (set by the model)
         self.q_norm = self.k_norm = None
         if cfg.model_type in QK_NORM_MODEL_TYPES:  # one weight of head_dim, shared by every head (and rank)
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -80,7 +81,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary.forward(positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale, **self.limits)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
@@ -106,10 +107,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, attention, dtype, compute_dtype, device, parallel=None) -> None:
+    """``mlp``: the layer's feed-forward block where it is not the dense SwiGLU
+    (a sparse MoE block, ember.models.moe): any module mapping (T, hidden) to (T, hidden)."""
+
+    def __init__(self, cfg, attention, dtype, compute_dtype, device, parallel=None, mlp=None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, attention, dtype, compute_dtype, device, parallel)
-        self.mlp = LlamaMLP(cfg, dtype, compute_dtype, device, parallel)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, dtype, compute_dtype, device, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -156,7 +160,9 @@ class LlamaForCausalLM(BaseCausalLM):
         if parallel is None:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
             self.layers = nn.ModuleList(
-                LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device) for _ in range(cfg.num_hidden_layers)
+                LlamaDecoderLayer(cfg, attention, dtype, compute_dtype, device,
+                                  mlp=self.create_mlp(cfg, index, dtype, compute_dtype, device))
+                for index in range(cfg.num_hidden_layers)
             )
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
             self.lm_head = (
@@ -170,6 +176,19 @@ class LlamaForCausalLM(BaseCausalLM):
                 dtype, compute_dtype, device,
             )
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg), device)
+        # sliding-window layers (Mistral, Phi-3, Qwen2/3 where the config says so)
+        windows = {i: layer_sliding_window(cfg, i) for i in range(*self.layer_range)}
+        if any(windows.values()):
+            require_attention_features(attention, (getattr(cfg, "architectures", None) or [cfg.model_type])[0],
+                                       window=True)
+            for index, window in windows.items():
+                if window is not None:
+                    self.layers[index].self_attn.limits["window"] = window
+
+    def create_mlp(self, cfg, index: int, dtype, compute_dtype, device) -> nn.Module | None:
+        """Layer ``index``'s feed-forward block where a subclass has its own (None: the
+        dense SwiGLU). Called during ``__init__``, without parallelism."""
+        return None
 
     def matmul_weights(self) -> list[torch.Tensor]:
         weights = super().matmul_weights()
@@ -244,6 +263,10 @@ class LlamaForCausalLM(BaseCausalLM):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied copy too
+            keys = self.load_extra_weight(name, tensor)
+            if keys is not None:
+                loaded.update(keys)
+                continue
             match = self._LAYER_RE.match(name)
             if match and match.group(3) in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): split it
                 layer, block, fused, kind = match.groups()
@@ -273,6 +296,19 @@ class LlamaForCausalLM(BaseCausalLM):
                 )
             param.data.copy_(tensor)
             loaded.add(target)
+        missing = sorted(self.expected_weight_keys() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def load_extra_weight(self, name: str, tensor: torch.Tensor) -> list[str] | None:
+        """A subclass's own checkpoint tensor (an MoE block's router or experts): load it
+        and return the keys it fills (of ``expected_weight_keys``); None for a name the
+        Llama family loads itself."""
+        return None
+
+    def expected_weight_keys(self) -> set[str]:
+        """What ``load_weights`` must have filled: parameter names, ``<fused>.<kind>#<part>`` for fused ones."""
         expected = set()
         for pname, _ in self.named_parameters():
             module_name, _, kind = pname.rpartition(".")
@@ -281,10 +317,7 @@ class LlamaForCausalLM(BaseCausalLM):
                 expected.update(f"{module_name}.{kind}#{i}" for i in range(parts))
             else:
                 expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        return expected
 
     def linear_parts(self) -> dict[str, tuple[Linear, int]]:
         # quantized checkpoints name the unfused projections (q_proj, gate_proj, ...)

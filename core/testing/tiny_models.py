@@ -39,6 +39,28 @@ ARCH = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+# Gemma: small heads, and a sliding window of 6 keys so that every test prompt slides
+# (three layers: sliding, global, sliding); Gemma 2 keeps its soft-caps (50, 30)
+GEMMA_DEFAULTS = {
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                       "factor": 8.0}}),
+}
+# sparse MoE kinds: 4 experts, 2 per token; Qwen3-MoE's experts narrower than its
+# dense layers (moe_intermediate_size), its second layer dense (mlp_only_layers)
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[1], head_dim=32),
 }
 
 
@@ -64,6 +86,10 @@ def make_tiny_model(kind: str, out_dir: Path, seed: int = 0, **overrides):
         tie_word_embeddings=False,
     )
     if kind == "phi3":  # its config's default pad id (32000) lies outside this vocabulary
+        params["pad_token_id"] = tokenizer.pad_token_id
+    params.update(MOE_DEFAULTS.get(kind, {}))
+    params.update(GEMMA_DEFAULTS.get(kind, {}))
+    if kind.startswith("gemma"):
         params["pad_token_id"] = tokenizer.pad_token_id
     params.update(overrides)
     config = getattr(transformers, config_name)(**params)

@@ -20,12 +20,9 @@ logger = logging.getLogger("ember.engine.core")  # start-up figures, logged as t
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
     """``requested`` (None: the model's context), checked against the model's context."""
+    # sliding-window layers attend within their window at any length (the attention's
+    # window=): the context is the model's whole one
     model_max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
-        # Ember has no sliding-window attention yet: stay within the window,
-        # where full attention is exact.
-        model_max_len = min(model_max_len, int(sliding_window))
     max_model_len = requested or model_max_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {model_max_len}")
