@@ -85,9 +85,10 @@ def test_legacy_checkpoint_without_the_plugin_lists_supported(example_version, l
         ember.LLM(str(legacy_llama_dir), num_kv_blocks=64, disabled_plugins=("legacy_llama",))
     message = str(excinfo.value)
     assert "['LLaMAForCausalLM'] is not supported" in message
-    from ember.models.llama import ARCHITECTURES
+    from ember.models import gemma, llama, moe
 
-    assert f"supported architectures: {', '.join(sorted(ARCHITECTURES))} (install a plugin" in message
+    built_in = sorted(llama.ARCHITECTURES + moe.ARCHITECTURES + gemma.ARCHITECTURES)
+    assert f"supported architectures: {', '.join(built_in)} (install a plugin" in message
 
 
 # --- the plugin manager ----------------------------------------------------------------------

@@ -206,27 +206,58 @@ class RMSNorm(FusableOp):
         return out if residual is None else (out, residual)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# model types whose transformers implementation rotates only part of each head
+# (``partial_rotary_factor``); the others' rotate the whole head whatever the config says
+PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
 
 
 def rope_parameters(hf_config) -> dict:
-    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`)."""
+    """Rope settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`).
+
+    Normalised: ``rope_type`` ("su", Phi-3's old name of LongRoPE, becomes "longrope"),
+    ``rope_theta``, ``partial_rotary_factor`` (1.0 unless a Phi-3 says otherwise) and, for
+    LongRoPE, ``original_max_position_embeddings`` (from the config's top level if the
+    rope settings lack it)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
     params.setdefault("rope_theta", 10000.0)
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial is not None and float(partial) != 1.0:
+    partial = 1.0 if partial is None else float(partial)
+    model_type = getattr(hf_config, "model_type", None)
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY_MODEL_TYPES:
         raise ValueError(
-            f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported; only 1.0"
+            f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported for model type "
+            f"{model_type!r}; only for {', '.join(PARTIAL_ROTARY_MODEL_TYPES)}"
         )
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} must be in (0, 1]")
+    params["partial_rotary_factor"] = partial
+    if params["rope_type"] == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None)
+        if not original:
+            raise ValueError("rope type 'longrope' needs original_max_position_embeddings (the pretraining length)")
+        params["original_max_position_embeddings"] = int(original)
     return params
 
 
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many leading dims of each head are rotated (all of them unless a partial factor says less)."""
+    dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"partial_rotary_factor {params.get('partial_rotary_factor')} of a head of {head_dim} "
+                         f"rotates {dim} dims; it must be a positive even number")
+    return dim
+
+
 def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    """``head_dim`` here is the rotated width (``rotary_dim``). LongRoPE is not here: its
+    frequencies depend on the position (``longrope_cos_sin``)."""
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = params["rope_type"]
@@ -252,6 +283,41 @@ def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) 
     )
 
 
+def longrope_cos_sin(dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's (Phi-3 128k's) cos/sin tables, ``(max_position, dim)``, as transformers'
+    ``_compute_longrope_parameters``: ``inv_freq = 1 / (ext_factor * theta^(2i/dim))`` and
+    both tables times the attention factor (``sqrt(1 + ln(factor) / ln(original))``
+    unless given, ``factor = max_position / original`` unless given).
+
+    The short factors rotate positions below ``original_max_position_embeddings``, the
+    long factors the positions from there on: a position's rotation depends on the
+    position alone, as the paged KV cache (whose keys are rotated once, when written)
+    and the prefix cache need. transformers instead picks one set for a whole forward
+    by its longest position, so the two agree exactly on every sequence that stays
+    below the original length and differ on longer ones (docs/moe.md, LongRoPE)."""
+    original = int(params["original_max_position_embeddings"])
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if values is None or len(values) != dim // 2:
+            raise ValueError(f"rope type 'longrope' needs {key} with {dim // 2} values (rotated dims / 2), "
+                             f"got {None if values is None else len(values)}")
+        factors[key] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    scale = params.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    short = torch.outer(t, 1.0 / (factors["short_factor"] * base**exponents))
+    long = torch.outer(t, 1.0 / (factors["long_factor"] * base**exponents))
+    freqs = torch.where((t < original)[:, None], short, long)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * float(scale), emb.sin() * float(scale)
+
+
 class SiluAndMul(FusableOp):
     """SwiGLU's activation: ``silu(gate) * up`` for ``x = [gate | up]`` (last dim).
     Fused op ``silu_mul(x)``."""
@@ -267,27 +333,42 @@ class SiluAndMul(FusableOp):
 
 class RotaryEmbedding(FusableOp):
     """Rotate-half RoPE (the Hugging Face layout) with a cos/sin cache by position.
-    Fused op ``rope_(x, positions, cos_cache, sin_cache)``, in place on ``q`` and ``k``."""
+    Fused op ``rope_(x, positions, cos_cache, sin_cache)``, in place on ``q`` and ``k``.
+
+    With a ``partial_rotary_factor`` below 1 (Phi-4-mini) only the first ``rotary_dim``
+    dims of each head turn and the rest pass through (PyTorch ops: the fused op rotates
+    whole heads); LongRoPE's tables come from ``longrope_cos_sin``."""
 
     op_name = "rope_"
 
     def __init__(self, head_dim: int, max_position: int, params: dict, device=None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, params, max_position)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim(head_dim, params)
+        if params["rope_type"] == "longrope":
+            cos, sin = longrope_cos_sin(self.rotary_dim, params, max_position)
+        else:
+            inv_freq = compute_inv_freq(self.rotary_dim, params, max_position)
+            t = torch.arange(max_position, dtype=torch.int64).float()
+            freqs = torch.outer(t, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """``q``: (T, Hq, D), ``k``: (T, Hkv, D) -> rotated, same shapes and dtype
         (the fused op rotates them in place: views of a fresh projection)."""
-        if self.fused is not None:
+        partial = self.rotary_dim != self.head_dim
+        if self.fused is not None and not partial:
             return (self.fused(q, positions, self.cos_cache, self.sin_cache),
                     self.fused(k, positions, self.cos_cache, self.sin_cache))
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        if partial:
+            r = self.rotary_dim
+            return (torch.cat((_apply(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                    torch.cat((_apply(k[..., :r], cos, sin), k[..., r:]), dim=-1))
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
