@@ -7,7 +7,7 @@ is shared; the figure that matters is the throughput ratio. Also checks that bot
 the same tokens. Prints the figures and writes a JSON result.
 
     python benchmarks/model_impl.py [--num-prompts 8] [--max-tokens 32] [--repeats 3]
-        [--result-file benchmarks/results/model_impl.json]
+        [--result-file benchmarks/results/model_impl.json] [--backend NAME]
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--result-file", default="benchmarks/results/model_impl.json")
+    parser.add_argument("--backend", default=None, help="a backend by name (default: the available one of highest "
+                        "priority)")
     args = parser.parse_args()
     if min(args.num_prompts, args.max_tokens, args.repeats) < 1:
         parser.error(f"--num-prompts, --max-tokens and --repeats must be >= 1, got {args.num_prompts}, "
@@ -68,7 +70,7 @@ def main() -> int:
         make_tiny_model("llama", Path(model_dir), seed=0, **MODEL)
         engines = {
             impl: LLM(model=model_dir, dtype="float32", num_kv_tokens=args.num_prompts * (128 + args.max_tokens),
-                      model_impl=impl)
+                      model_impl=impl, backend=args.backend)
             for impl in ("ember", "transformers")
         }
         for llm in engines.values():  # warm-up: first-call costs out of the timings
@@ -94,6 +96,7 @@ def main() -> int:
         "fallback_tokens_per_s": round(fallback_tps, 1),
         "fallback_over_native": round(fallback_tps / native_tps, 3),
         "same_tokens": same,
+        "backend": engines["ember"].engine.core.backend.describe(),
         "machine": {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__},
     }
     print(f"native (ember):          {native_tps:8.1f} tokens/s ({best['ember']:.2f} s)")

@@ -131,10 +131,11 @@ def test_last_position_logits_through_the_paged_cache_match_transformers(tiny):
             with torch.inference_mode():
                 for start, chunk in ((0, prompt[:-1]), (len(prompt) - 1, prompt[-1:])):
                     batch = AttentionBatch.from_slices([SequenceSlice(len(chunk), start, table)], kv.block_size,
-                                                       torch.device("cpu"))
-                    hidden = engine.model(torch.tensor(chunk), torch.arange(start, start + len(chunk)),
+                                                       runner.device)
+                    hidden = engine.model(torch.tensor(chunk, device=runner.device),
+                                          torch.arange(start, start + len(chunk), device=runner.device),
                                           runner.kv_caches, runner.attention.prepare(batch))
-                ours = engine.model.compute_logits(hidden[-1:])[0]
+                ours = engine.model.compute_logits(hidden[-1:])[0].cpu()
         finally:
             kv.free("probe")
         diff = (ours - ref).abs().max().item()
