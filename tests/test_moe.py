@@ -270,3 +270,105 @@ def test_longrope_settings_that_do_not_fit_the_head_are_refused_naming_them():
         RotaryEmbedding(16, 512, params)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.3125 of a head of 16 rotates 5"):
         RotaryEmbedding(16, 512, {**LONGROPE, "partial_rotary_factor": 0.3125})
+
+
+# -- GGUF ----------------------------------------------------------------------------
+
+def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True):
+    """`model` as llama.cpp writes it: Mixtral as `llama` with experts (q/k permuted),
+    Qwen3-MoE as `qwen3moe`; experts stacked (`ffn_gate_exps`, E x out x in) or, as older
+    files did, one tensor per expert (`ffn_gate.E`)."""
+    import gguf
+    import numpy as np
+    from test_weights import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, gguf_name, llamacpp_permute, tiny_vocab
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in [("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("head_count", cfg.num_attention_heads), ("head_count_kv", cfg.num_key_value_heads),
+                       ("rope_freq_base", cfg.rope_parameters["rope_theta"]), ("layer_norm_rms_eps", cfg.rms_norm_eps),
+                       ("expert_count", 4), ("expert_used_count", 2)]:
+        getattr(writer, f"add_{add}")(value)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    vocab = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * (len(vocab) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(vocab.index("<|endoftext|>"))
+    writer.add_eos_token_id(vocab.index("<|im_end|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    experts: dict = {}
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if ".experts." in name:  # transformers 5 holds them stacked: gate_up_proj (E, 2I, H), down_proj (E, H, I)
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                experts[(layer, "gate")], experts[(layer, "up")] = np.split(data, 2, axis=1)
+            else:
+                experts[(layer, "down")] = data
+            continue
+        if name.endswith(".mlp.gate.weight") or name.endswith(".block_sparse_moe.gate.weight"):
+            writer.add_tensor(f"blk.{name.split('.')[2]}.ffn_gate_inp.weight", data)
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    for (layer, proj), data in experts.items():
+        if stacked:
+            writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(data))
+        else:
+            for e, one in enumerate(data):
+                writer.add_tensor(f"blk.{layer}.ffn_{proj}.{e}.weight", np.ascontiguousarray(one))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind, arch, stacked", [("mixtral", "llama", True), ("mixtral", "llama", False),
+                                                 ("qwen3_moe", "qwen3moe", True)])
+def test_moe_gguf_converts_and_generates_as_transformers(tmp_path, kind, arch, stacked):
+    import transformers
+    from test_weights import tiny_vocab
+
+    from ember import LLM, SamplingParams
+    from ember.weights.gguf_loader import convert_gguf_to_hf
+
+    model = make_tiny_model(kind, tmp_path / "hf", seed=4, vocab_size=len(tiny_vocab()), rms_norm_eps=1e-6,
+                            mlp_only_layers=[])
+    src = _write_moe_gguf(tmp_path / f"tiny-{kind}.gguf", model, arch, stacked=stacked)
+    out = convert_gguf_to_hf(src, tmp_path / "out", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]
+    assert config["num_experts_per_tok"] == 2
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for name, tensor in model.state_dict().items():  # the same weights, whatever the layout
+        torch.testing.assert_close(oracle.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    prompt = [5, 17, 42, 7, 99, 3]
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=32, block_size=4)
+    ours = llm.generate(prompt_token_ids=[prompt],
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    theirs = oracle.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert list(ours[0].outputs[0].token_ids) == theirs[0, len(prompt):].tolist()
+
+
+def test_moe_gguf_kept_quantized_is_refused_naming_the_architecture(tmp_path):
+    from test_weights import tiny_vocab
+
+    from ember.weights.gguf_loader import convert_gguf_to_hf
+
+    model = make_tiny_model("qwen3_moe", tmp_path / "hf", vocab_size=len(tiny_vocab()), mlp_only_layers=[])
+    src = _write_moe_gguf(tmp_path / "tiny.gguf", model, "qwen3moe")
+    with pytest.raises(ValueError, match=r"sparse MoE \('qwen3moe' with 4 experts, Qwen3MoeForCausalLM\).*dequantized"):
+        convert_gguf_to_hf(src, tmp_path / "out", progress=False, keep_quantized=True)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidCheckpointError, UnsupportedArchitectureError
-from .gguf_names import IGNORED_TENSORS, hf_tensor_name, rotary_heads, unpermute_rotary
+from .gguf_names import IGNORED_TENSORS, expert_tensor_names, hf_tensor_name, rotary_heads, unpermute_rotary
 from .gguf_quants import FLOAT_TYPES, QUANT_TYPES
 from .staging import publish_staging_dir, staging_dir
 
@@ -74,13 +74,21 @@ class GGUFArchitecture:
 
     hf_class: str
     is_rotary_permuted: bool  # llama.cpp permuted q/k rows for its rope layout
+    # llama.cpp stores Gemma's norm weights w of (1 + w) as 1 + w: this much is taken off
+    # again (as transformers' GGUF loader does), so the checkpoint holds Hugging Face's w
+    norm_offset: float = 0.0
 
 
 SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", is_rotary_permuted=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", is_rotary_permuted=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", is_rotary_permuted=False),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", is_rotary_permuted=False, norm_offset=1.0),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", is_rotary_permuted=False, norm_offset=1.0),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", is_rotary_permuted=False),
 }
+# a `llama` file with experts (`llama.expert_count`) is Mixtral
+MIXTRAL = GGUFArchitecture("MixtralForCausalLM", is_rotary_permuted=True)
 
 
 def convert_gguf_to_hf(
@@ -138,6 +146,15 @@ def convert_gguf_to_hf(
     if "tokenizer.ggml.model" not in reader.fields:
         raise ValueError(f"GGUF file {str(gguf_path)!r} has no tokenizer metadata (tokenizer.ggml.*)")
 
+    num_experts = _read_int(reader, f"{arch_name}.expert_count")
+    if num_experts and arch_name == "llama":
+        arch = MIXTRAL
+    if num_experts and keep_quantized:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r} is a sparse MoE ({arch_name!r} with {num_experts} experts, "
+            f"{arch.hf_class}): Ember does not keep MoE experts quantized yet; load it dequantized "
+            "(EMBER_GGUF_NATIVE=0)"
+        )
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     quantized_head = keep_quantized and not has_output and _is_quantized(reader, EMBEDDING)
     with _reading(gguf_path, "building the model config from its metadata"):
@@ -149,6 +166,8 @@ def convert_gguf_to_hf(
         key_length = reader.fields.get(f"{arch_name}.attention.key_length")
         if key_length is not None:
             config.head_dim = int(key_length.contents())
+        if num_experts:
+            config = _moe_config(reader, arch_name, arch, config, num_experts)
     if keep_quantized:
         for t in reader.tensors:  # an unsupported type is refused before any work
             _keeps_bytes(gguf_path, t, quantized_head)
@@ -170,7 +189,16 @@ def convert_gguf_to_hf(
                 continue
             heads = rotary_heads(t.name, config.num_attention_heads, config.num_key_value_heads)
             permuted = arch.is_rotary_permuted and heads is not None
-            name = hf_tensor_name(t.name)
+            experts = expert_tensor_names(t.name, num_experts, mixtral_names=arch is MIXTRAL) if num_experts else None
+            if experts is not None:  # stacked (E, out, in), or one expert's (out, in)
+                with _reading(gguf_path, f"reading tensor {t.name!r}"):
+                    stacked = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+                stacked = stacked.reshape(len(experts), *stacked.shape[-2:])
+                tensors.update((name, part.to(dtype).contiguous()) for name, part in zip(experts, stacked))
+                continue
+            name = hf_tensor_name(t.name, arch_name)
+            if arch is MIXTRAL:
+                name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
             if keep_quantized and _keeps_bytes(gguf_path, t, quantized_head):
                 # rows of blocks: undoing the permutation of rows moves whole rows of bytes
                 with _reading(gguf_path, f"reading tensor {t.name!r}"):
@@ -187,6 +215,8 @@ def convert_gguf_to_hf(
             tensor = torch.from_numpy(array)
             if permuted:
                 tensor = unpermute_rotary(tensor, heads)
+            if arch.norm_offset and name.endswith("norm.weight"):
+                tensor = tensor - arch.norm_offset  # float32, as transformers computes it
             tensors[name] = tensor.to(dtype).contiguous()
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
 
@@ -274,6 +304,36 @@ def _read_string(gguf_path: Path, reader, key: str) -> str:
     if field is None:
         raise InvalidCheckpointError(f"GGUF file {str(gguf_path)!r} has no {key!r} metadata")
     return str(field.contents())
+
+
+def _read_int(reader, key: str) -> int:
+    field = reader.fields.get(key)
+    return int(field.contents()) if field is not None else 0
+
+
+def _moe_config(reader, arch_name: str, arch: GGUFArchitecture, config, num_experts: int):
+    """The sparse-MoE settings transformers' GGUF config mapping leaves out: Mixtral's
+    whole config (a `llama` file with experts), an expert's width
+    (`<arch>.expert_feed_forward_length`, Qwen3-MoE's moe_intermediate_size)."""
+    from transformers import AutoConfig
+
+    top_k = _read_int(reader, f"{arch_name}.expert_used_count")
+    if not top_k:
+        raise InvalidCheckpointError(f"GGUF metadata has {arch_name}.expert_count {num_experts} "
+                                     f"but no {arch_name}.expert_used_count")
+    if arch.hf_class == "MixtralForCausalLM":
+        values = config.to_dict()
+        for key in ("model_type", "architectures", "transformers_version", "mlp_bias", "attention_bias",
+                    "pretraining_tp"):
+            values.pop(key, None)
+        config = AutoConfig.for_model("mixtral", **values)
+        config.architectures = [arch.hf_class]
+        config.num_local_experts = num_experts
+    expert_width = _read_int(reader, f"{arch_name}.expert_feed_forward_length")
+    if expert_width and arch.hf_class == "Qwen3MoeForCausalLM":
+        config.moe_intermediate_size = expert_width
+    config.num_experts_per_tok = top_k
+    return config
 
 
 def _build_config(gguf_path: Path, arch: GGUFArchitecture, *, dtype: torch.dtype, tie_word_embeddings: bool):

@@ -27,7 +27,24 @@ _PER_LAYER = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a sparse MoE block's router (Mixtral, Qwen3-MoE)
 }
+
+# A sparse MoE block's experts: stacked 3-D tensors (E, out, in), or one 2-D tensor per
+# expert in older files (`blk.N.ffn_gate.E.weight`). Hugging Face names them per expert:
+# Mixtral `block_sparse_moe.experts.E.w1/w3/w2`, Qwen3-MoE `mlp.experts.E.gate_proj/up_proj/down_proj`.
+_EXPERT_PROJ = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
+_STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.(?P<expert>\d+)\.weight")
+
+# Gemma 2/3: four norms a layer, and llama.cpp's ffn_norm is the one before the MLP
+_GEMMA_LAYER = {
+    **_PER_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
 
 # Tensors llama.cpp stores that have no Hugging Face parameter: `rope_freqs`
 # holds Llama 3 rope scaling factors, which transformers takes from the config.
@@ -37,20 +54,38 @@ _LAYER_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|b
 _TOP_NAME = re.compile(r"(?P<part>\w+)\.(?P<kind>weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a Llama-family GGUF tensor name to its Hugging Face parameter name.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a GGUF tensor name of architecture ``arch`` (``general.architecture``: the
+    Llama family's names unless the architecture has its own) to its Hugging Face
+    parameter name.
 
     `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`,
     `token_embd.weight` -> `model.embed_tokens.weight`. Raises `ValueError`
     naming the tensor if it has no known counterpart.
     """
     if m := _LAYER_NAME.fullmatch(gguf_name):
-        if (hf_part := _PER_LAYER.get(m["part"])) is not None:
+        if (hf_part := _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER).get(m["part"])) is not None:
             return f"model.layers.{int(m['layer'])}.{hf_part}.{m['kind']}"
     elif m := _TOP_NAME.fullmatch(gguf_name):
         if (hf_part := _TOP_LEVEL.get(m["part"])) is not None:
             return f"{hf_part}.{m['kind']}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face Llama-family name")
+
+
+def expert_tensor_names(gguf_name: str, num_experts: int, mixtral_names: bool) -> list[str] | None:
+    """The Hugging Face names of the experts a GGUF tensor holds, in order: one per expert
+    of a stacked `ffn_*_exps` tensor, one for an older per-expert tensor; None for any
+    other tensor. ``mixtral_names``: Mixtral's (`block_sparse_moe.experts.E.w1`), else
+    Qwen3-MoE's (`mlp.experts.E.gate_proj`)."""
+    if m := _STACKED_EXPERTS.fullmatch(gguf_name):
+        experts = range(num_experts)
+    elif m := _ONE_EXPERT.fullmatch(gguf_name):
+        experts = [int(m["expert"])]
+    else:
+        return None
+    block = "block_sparse_moe" if mixtral_names else "mlp"
+    proj = _EXPERT_PROJ[m["proj"]][0 if mixtral_names else 1]
+    return [f"model.layers.{int(m['layer'])}.{block}.experts.{e}.{proj}.weight" for e in experts]
 
 
 def rotary_heads(gguf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
