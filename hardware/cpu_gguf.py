@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # (int8), 256 rows even, 512 rows 184 against 235, 2048 rows 589 against 724.
 LARGE_ROWS = 256
 PREFILL_MODES = ("int8", "bf16", "float32")
+ACTIVATION_MODES = ("int8", "int8x2", "float")
 TILE_VALUES = 1 << 22  # weight values dequantized per GEMM tile (16 MiB of float32)
 _TYPE_NAMES = {t.type_id: t.name for t in QUANT_TYPES.values()}
 
@@ -61,6 +62,22 @@ def select_prefill(flags: set[str] | None = None, mode: str = "auto", path: str 
         return forced, "forced by the backend option gguf_prefill"
     chosen, why = select_path(flags, path)
     return ("bf16" if chosen == "bf16" else "int8"), f"the CPU backend's {chosen} path: {why}"
+
+
+def select_activations(mode: str = "auto") -> tuple[str, str]:
+    """``(mode, why)``: how activations enter the integer kernels (one of
+    ``ACTIVATION_MODES``): ``mode`` (the CPU backend's option ``gguf_activations``)
+    unless ``auto``, else ``int8x2``: with one 8-bit stage, SmolLM2's Q4_1 model answered
+    the README's chat example and some held-out prompts otherwise than the float model
+    (near ties of its first token), with two it gives the float model's first token on
+    (nearly) all of them, for little decode speed (docs/quantization.md, "Activations").
+    ValueError naming an unknown mode."""
+    forced = mode.strip().lower() or "auto"
+    if forced == "auto":
+        return "int8x2", "auto: the float model's answers on chat prompts, measured"
+    if forced not in ACTIVATION_MODES:
+        raise ValueError(f"gguf_activations={forced!r} is not one of: auto, {', '.join(ACTIVATION_MODES)}")
+    return forced, "forced by the backend option gguf_activations"
 
 
 class PackedGGUFWeight(QuantizedWeight):
@@ -120,12 +137,19 @@ class GGUFLinearOp(QuantizedLinearOp):
         self._scratch_bf16 = torch.empty(0, dtype=torch.bfloat16)
         self.x8 = False
         self.prefill, why = select_prefill(mode=options.gguf_prefill, path=options.path)
+        self.activations, why_activations = select_activations(options.gguf_activations)
+        self.split = self.activations == "int8x2"
+        if self.activations == "float":  # every product on float32 tiles: the large ones too
+            self.prefill, why = "float32", "gguf_activations=float"
         # x8 products of this many rows or more run on AMX-BF16 tiles (amx ISA, bf16 mode)
         self.amx_bf16_rows = sys.maxsize
         if self.kernels is not None:
             self._linear_f32 = self.kernels._linear_f32
             self._linear_x8 = self.kernels._linear_x8
             self._linear_x8_bf16 = self.kernels._linear_x8_bf16
+            if self.split:
+                self._linear_f32 = self.kernels._linear_f32_split
+                self._linear_x8 = self.kernels._linear_x8_split
             self._isa = ISA_IDS[self.kernels.isa]
             off = "option gguf_x8=false" if not options.gguf_x8 else \
                 "ref ISA" if self.kernels.isa == "ref" else None
@@ -137,9 +161,9 @@ class GGUFLinearOp(QuantizedLinearOp):
                     self.amx_bf16_rows = AMX_BF16_ROWS
                     tiles = (f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows, AMX-BF16 tiles from {AMX_BF16_ROWS} "
                              f"to {AMX_BF16_MAX_ROWS}")
-            logger.info("GGUF %s weights: %s%s; products of more than %d rows: %s (%s)", "/".join(X8_TYPES),
-                        "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles, LARGE_ROWS,
-                        self.prefill, why)
+            logger.info("GGUF %s weights: %s%s; products of more than %d rows: %s (%s); activations: %s (%s)",
+                        "/".join(X8_TYPES), "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles,
+                        LARGE_ROWS, self.prefill, why, self.activations, why_activations)
 
     def prepare(self, weight):
         if isinstance(weight, PackedGGUFWeight):
@@ -194,7 +218,8 @@ class GGUFLinearOp(QuantizedLinearOp):
         type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
         large = M > LARGE_ROWS
-        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS:
+        exact = self.activations == "float"
+        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS and not exact:
             y = torch.empty(M, N, dtype=torch.float32)
             rc = self._linear_x8_bf16(type_id, data_ptr, N, K, x.data_ptr(), M,
                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),
@@ -202,7 +227,7 @@ class GGUFLinearOp(QuantizedLinearOp):
             if rc:
                 raise RuntimeError(f"GGUF AMX-BF16 kernel failed ({rc}) for type {type_id} ({N}, {K})")
             return y
-        if has_kernel and (M <= MAX_KERNEL_ROWS or x8 and (not large or self.prefill == "int8")):
+        if has_kernel and not exact and (M <= MAX_KERNEL_ROWS or x8 and (not large or self.prefill == "int8")):
             y = torch.empty(M, N, dtype=torch.float32)
             call = self._linear_x8 if x8 else self._linear_f32
             rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,

@@ -76,6 +76,14 @@ class CPUOptions(BackendOptions):
         "dequantized bfloat16 tiles through oneDNN; float32: dequantized float32 tiles (exact: the "
         "dequantized model's numbers, slowest).",
     )
+    gguf_activations: Literal["auto", "int8", "int8x2", "float"] = option(
+        "auto",
+        "How activations enter the GGUF integer kernels (docs/quantization.md). int8: 8 bits per block of 32 "
+        "(llama.cpp's; fastest, but near ties of the float model's next token flip); int8x2: two stages, x = d q "
+        "+ d' q' (the second quantizes what the first leaves: about 15 bits), twice the integer products on one "
+        "read of the weights; float: every product on dequantized float32 tiles (the dequantized model's "
+        "numbers; slowest). auto: int8x2. Products of more than 256 rows in gguf_prefill=bf16 keep bf16 tiles.",
+    )
 
     def __post_init__(self) -> None:
         if self.small_batch_rows is not None and self.small_batch_rows < 0:

@@ -120,6 +120,12 @@ class QuantKernels:
         self._repack_x8 = native(lib, "ember_quant_repack_x8", [ci, vp, i64, i64, vp], ci)
         self._dequant_x8 = native(lib, "ember_quant_dequant_x8", [ci, vp, i64, i64, vp, ci], ci)
         self._linear_x8 = native(lib, "ember_quant_linear_x8", [ci, ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
+        # two-stage activations (SPLIT_ACTIVATIONS): the same products, about 15 bits per block
+        self._act_split = native(lib, "ember_quant_act_split", [vp, i64, i64, vp, vp, vp, ci], None)
+        self._linear_f32_split = native(lib, "ember_quant_linear_f32_split", [ci, ci, vp, i64, i64, vp, i64, vp, vp,
+                                                                              ci], ci)
+        self._linear_x8_split = native(lib, "ember_quant_linear_x8_split", [ci, ci, vp, i64, i64, vp, i64, vp, vp,
+                                                                            ci], ci)
         self._amx_init = _fn(lib, "ember_quant_amx_init", [], ci)
         self._linear_x8_bf16 = native(lib, "ember_quant_linear_x8_bf16", [ci, vp, i64, i64, vp, i64, vp, vp, ci], ci)
         self._rows = native(lib, "ember_quant_rows", [ci, vp, i64, i64, ci, vp, i64, vp, ci], ci)
@@ -159,11 +165,13 @@ class QuantKernels:
         *,
         isa: str | None = None,
         max_kernel_rows: int = MAX_KERNEL_ROWS,
+        split: bool = False,
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for float32 ``x`` (M, K) and W given as its GGUF bytes
         ``data`` (N, row bytes) of ``type_name``; float32 (M, N). Up to
         ``max_kernel_rows`` rows run the integer kernel of ``isa`` (default: the
-        selected one), more dequantize W and run PyTorch's GEMM."""
+        selected one), with two-stage activations if ``split`` (``quantize_split``),
+        more dequantize W and run PyTorch's GEMM."""
         x = _rows(x)
         M, K = x.shape
         N = check_weight(data, type_name, K)
@@ -172,13 +180,28 @@ class QuantKernels:
         if M > max_kernel_rows or not self.has_kernel(type_name, isa):
             return torch.nn.functional.linear(x, self.dequantize(data, type_name, K), bias)
         y = torch.empty(M, N, dtype=torch.float32)
-        rc = self._linear_f32(
+        rc = (self._linear_f32_split if split else self._linear_f32)(
             ISA_IDS[isa or self.isa], quant_type(type_name).type_id, data.data_ptr(), N, K, x.data_ptr(), M,
             bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
         )
         if rc:
             raise RuntimeError(f"ember_quant_linear_f32 failed ({rc}) for {type_name} ({N}, {K})")
         return y
+
+    def quantize_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two-stage activations: ``quantize_activations``' blocks of 2M rows, row ``2i``
+        those of ``x[i]`` and row ``2i + 1`` those of what they leave, ``x[i] - d q``; so
+        ``x[i] ~= d[2i] q[2i] + d[2i + 1] q[2i + 1]`` blockwise, within ``max|x_b| / 64516``
+        (half a step of the second stage, whose block max is at most half the first's step)."""
+        x = _rows(x)
+        M, K = x.shape
+        if K % 32:
+            raise ValueError(f"quantize_split: K={K} is not a multiple of 32")
+        q = torch.empty(2 * M, K, dtype=torch.int8)
+        d = torch.empty(2 * M, K // 32, dtype=torch.float32)
+        s = torch.empty(2 * M, K // 16, dtype=torch.int16)
+        self._act_split(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), s.data_ptr(), torch.get_num_threads())
+        return q, d, s
 
     def linear_quantized(self, q, d, s, data: torch.Tensor, type_name: str, isa: str | None = None) -> torch.Tensor:
         """The integer kernel on activations already quantized (``quantize_activations``)."""
@@ -252,15 +275,17 @@ class QuantKernels:
         return out
 
     def linear_x8(self, x: torch.Tensor, packed: torch.Tensor, type_name: str, bias: torch.Tensor | None = None,
-                  isa: str | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` for W in the x8 layout, any number of rows, float32 (M, N)."""
+                  isa: str | None = None, split: bool = False) -> torch.Tensor:
+        """``x @ W.T + bias`` for W in the x8 layout, any number of rows, float32 (M, N);
+        ``split``: two-stage activations (``quantize_split``), both stages of a row in one
+        pass over W."""
         x = _rows(x)
         M, K = x.shape
         N = check_weight(packed, type_name, K)
         y = torch.empty(M, N, dtype=torch.float32)
-        rc = self._linear_x8(ISA_IDS[isa or self.isa], quant_type(type_name).type_id, packed.data_ptr(), N, K,
-                             x.data_ptr(), M, bias.contiguous().data_ptr() if bias is not None else None,
-                             y.data_ptr(), torch.get_num_threads())
+        rc = (self._linear_x8_split if split else self._linear_x8)(
+            ISA_IDS[isa or self.isa], quant_type(type_name).type_id, packed.data_ptr(), N, K, x.data_ptr(), M,
+            bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads())
         _check_x8_rc(rc, f"{type_name} ({N}, {K}) under {isa or self.isa}")
         return y
 

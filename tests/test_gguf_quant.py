@@ -332,11 +332,13 @@ def test_the_op_repacks_what_it_can_and_keeps_the_rest(kernels, monkeypatch):
             packed = op.prepare(x8_only).segments[0][1]
             rows = many[:cpu_gguf.LARGE_ROWS]
             want = kernels.linear_x8_bf16(rows, packed, "Q4_1") if len(rows) >= op.amx_bf16_rows else \
-                kernels.linear_x8(rows, packed, "Q4_1")
+                kernels.linear_x8(rows, packed, "Q4_1", split=op.split)  # two stages by default (int8x2)
             assert torch.equal(op(rows, op.prepare(x8_only)), want)
     assert torch.allclose(large["float32"], reference, rtol=1e-4, atol=1e-4)  # exact tiles (float32 rounding)
     assert not torch.allclose(large["bf16"], reference, atol=1e-4)  # bfloat16 tiles and activations
     if kernels.isa != "ref":
+        op = cpu_gguf.GGUFLinearOp(CPUOptions(gguf_prefill="int8", gguf_activations="int8"))
+        large["int8"] = op(many, op.prepare(weight()))
         assert not torch.allclose(large["int8"], reference, atol=1e-4)  # 8-bit activations
         assert not torch.equal(large["int8"], large["bf16"])
     from ember.hardware.cpu import CPUBackend

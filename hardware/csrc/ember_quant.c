@@ -6,6 +6,8 @@
  *   ember_quant_linear  y = x @ W.T (+ b) for W (N, K) in a GGUF type and x given as
  *                       ember_quant_act's blocks, with one instruction set's kernel
  *   ember_quant_linear_f32  both in one call, from float32 x
+ *   ember_quant_act_split, *_split  two-stage activations: x = d q + d' q' (the second
+ *                       stage quantizes what the first leaves), about 15 bits per block
  *   ember_quant_dequant W -> float32 (N, K), the same numbers as gguf.quants.dequantize
  *   ember_quant_rows    chosen rows of W, dequantized (a quantized embedding table)
  *
@@ -95,32 +97,51 @@ INLINE int hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(x);
 }
 
-/* llama.cpp's quantize_row_q8_0 (AVX2): d = max|x| / 127, q = round(x / d) (to nearest even) */
+/* llama.cpp's quantize_row_q8_0 (AVX2) for one block of 32 at p: d = max|x| / 127,
+ * q = round(x / d) (to nearest even), s the sums of q over each half */
+static inline __attribute__((always_inline)) void quant_block(const float *p, int8_t *q, float *d, int16_t *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(p + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float dd = _mm_cvtss_f32(m4) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    __m256i n[4];
+    for (int j = 0; j < 4; j++)
+        n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    s[0] = (int16_t)hsum_i32(_mm256_add_epi32(n[0], n[1]));
+    s[1] = (int16_t)hsum_i32(_mm256_add_epi32(n[2], n[3]));
+    __m256i a = _mm256_packs_epi32(n[0], n[1]), b = _mm256_packs_epi32(n[2], n[3]);
+    a = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, a);
+    *d = dd;
+}
+
 void ember_quant_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *s, int nthreads) {
     int64_t nb = K / 32;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 65536)
+    for (int64_t i = 0; i < M * nb; i++) quant_block(x + i * 32, q + i * 32, d + i, s + 2 * i);
+}
+
+/* Two-stage activations: row i of x (M, K) as rows 2i and 2i + 1 of ember_quant_act's
+ * blocks, 2i those of x itself and 2i + 1 those of what they leave, r = x - d q (each
+ * value within d / 2, so the second stage's step is at most d / 254): x = d q + d' q'
+ * to about 15 bits per block instead of 8 */
+void ember_quant_act_split(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int16_t *s, int nthreads) {
+    int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 32768)
     for (int64_t i = 0; i < M * nb; i++) {
+        const int64_t m = i / nb, b = i % nb, hi = 2 * m * nb + b, lo = hi + nb;
         const float *p = x + i * 32;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(p + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float dd = _mm_cvtss_f32(m4) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
-        __m256i n[4];
-        for (int j = 0; j < 4; j++)
-            n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        s[2 * i] = (int16_t)hsum_i32(_mm256_add_epi32(n[0], n[1]));
-        s[2 * i + 1] = (int16_t)hsum_i32(_mm256_add_epi32(n[2], n[3]));
-        __m256i a = _mm256_packs_epi32(n[0], n[1]), b = _mm256_packs_epi32(n[2], n[3]);
-        a = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + i * 32), a);
-        d[i] = dd;
+        quant_block(p, q + hi * 32, d + hi, s + 2 * hi);
+        float r[32];
+        for (int j = 0; j < 32; j++) r[j] = p[j] - d[hi] * (float)q[hi * 32 + j];
+        quant_block(r, q + lo * 32, d + lo, s + 2 * lo);
     }
 }
 
@@ -546,8 +567,8 @@ int ember_quant_rows(int type, const uint8_t *w, int64_t N, int64_t K, int x8, c
  * machines their faults cost as much as the product: a 128-row AMX-BF16 product of
  * 1536 x 576 took 0.59 ms with malloc/free per call against 0.31 ms without (Intel Xeon,
  * one thread). 0 when out of memory. */
-static _Thread_local void *scratch_buf[2];
-static _Thread_local size_t scratch_cap[2];
+static _Thread_local void *scratch_buf[3];
+static _Thread_local size_t scratch_cap[3];
 static void *scratch(int slot, size_t bytes) {
     if (bytes > scratch_cap[slot]) {
         free(scratch_buf[slot]);
@@ -561,14 +582,16 @@ static void *scratch(int slot, size_t bytes) {
  * of memory): q int8 (Mp, K), dx (Mp, K/32), s (Mp, K/16), the rows
  * past M (Mp >= M: AMX tiles take 16) all zeros */
 static void *act_blocks(const float *x, int64_t M, int64_t Mp, int64_t K, int nthreads, int8_t **q, float **dx,
-                        int16_t **s) {
-    size_t nq = (size_t)(Mp * K), nx = (size_t)(M * K);
+                        int16_t **s, int split) {
+    const int64_t rows = split ? 2 * M : M;
+    size_t nq = (size_t)(Mp * K), nx = (size_t)(rows * K);
     void *buf = scratch(0, nq + nq / 32 * sizeof(float) + nq / 16 * sizeof(int16_t));
     if (!buf) return 0;
     *q = buf;
     *dx = (float *)(*q + nq);
     *s = (int16_t *)(*dx + nq / 32);
-    ember_quant_act(x, M, K, *q, *dx, *s, nthreads);
+    if (split) ember_quant_act_split(x, M, K, *q, *dx, *s, nthreads);
+    else ember_quant_act(x, M, K, *q, *dx, *s, nthreads);
     memset(*q + nx, 0, nq - nx);
     memset(*dx + nx / 32, 0, (nq - nx) / 32 * sizeof(float));
     memset(*s + nx / 16, 0, (nq - nx) / 16 * sizeof(int16_t));
@@ -1057,17 +1080,24 @@ int ember_quant_linear_x8_bf16(int type, const uint8_t *p, int64_t N, int64_t K,
     return rc;
 }
 
-int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
-                          const float *bias, float *y, int nthreads) {
+/* y = x @ W.T (+ b) for x8 weights; split: two-stage activations (ember_quant_act_split),
+ * both stages of a row through the kernel side by side (one read of each weight block
+ * serves both), their outputs added in scratch slot 2 */
+static int linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
+                     const float *bias, float *y, int nthreads, int split) {
     if (!x8_type(type) || K % 32 || N % 8 || (isa != ISA_AVX2 && isa != ISA_AVX512VNNI && isa != ISA_AMX)) return -1;
     if (isa == ISA_AMX && !amx_granted) return -3;
-    const int amx = isa == ISA_AMX && M >= AMX_MIN_ROWS;
-    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M, nb = K / 32;
+    const int64_t rows = split ? 2 * M : M;
+    const int amx = isa == ISA_AMX && rows >= AMX_MIN_ROWS;
+    const int64_t Mp = amx ? (rows + 15) / 16 * 16 : rows, nb = K / 32;
+    float *out = y;
+    if (split && !(out = scratch(2, (size_t)(rows * N) * sizeof(float)))) return -2;
     int8_t *q;
     float *dx;
     int16_t *s;
-    void *acts = act_blocks(x, M, Mp, K, nthreads, &q, &dx, &s);
+    void *acts = act_blocks(x, M, Mp, K, nthreads, &q, &dx, &s, split);
     if (!acts) return -2;
+    const float *b = split ? 0 : bias;
     int rc = 0;
     if (amx) {
         float *dxt = scratch(1, (size_t)(Mp * nb) * 2 * sizeof(float) + (size_t)(Mp * K));
@@ -1076,26 +1106,64 @@ int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_
             float *fst = dxt + Mp * nb;
             int8_t *qt = (int8_t *)(fst + Mp * nb);
             amx_tile_layout(q, dx, s, Mp, K, qt, dxt, fst);
-            rc = linear_x8_amx(type, p, N, K, qt, dxt, fst, M, bias, y, nthreads);
+            rc = linear_x8_amx(type, p, N, K, qt, dxt, fst, rows, b, out, nthreads);
         }
-    } else if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, M, bias, y, nthreads);
-    else if (M < X8Z_MIN_ROWS) linear_x8_avx512vnni(type, p, N, K, q, dx, s, M, bias, y, nthreads);
-    else linear_x8_zmm(type, p, N, K, q, dx, s, M, bias, y, nthreads);
+    } else if (isa == ISA_AVX2) linear_x8_avx2(type, p, N, K, q, dx, s, rows, b, out, nthreads);
+    else if (rows < X8Z_MIN_ROWS) linear_x8_avx512vnni(type, p, N, K, q, dx, s, rows, b, out, nthreads);
+    else linear_x8_zmm(type, p, N, K, q, dx, s, rows, b, out, nthreads);
+    if (split && !rc) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N > 65536)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++)
+                y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n] + (bias ? bias[n] : 0.0f);
+    }
     return rc;
 }
 
-/* ember_quant_act then ember_quant_linear in one call (the activation's blocks in
- * scratch slot 0): float32 x (M, K) -> y (M, N) */
-int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
-                           const float *bias, float *y, int nthreads) {
+int ember_quant_linear_x8(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x, int64_t M,
+                          const float *bias, float *y, int nthreads) {
+    return linear_x8(isa, type, p, N, K, x, M, bias, y, nthreads, 0);
+}
+
+/* ember_quant_linear_x8 with two-stage activations (ember_quant_act_split): about 15 bits
+ * per block where one stage keeps 8, for twice the integer products on one read of W */
+int ember_quant_linear_x8_split(int isa, int type, const uint8_t *p, int64_t N, int64_t K, const float *x,
+                                int64_t M, const float *bias, float *y, int nthreads) {
+    return linear_x8(isa, type, p, N, K, x, M, bias, y, nthreads, 1);
+}
+
+/* ember_quant_act (split: ember_quant_act_split, the two stages' outputs added in scratch
+ * slot 2) then ember_quant_linear in one call (the activation's blocks in scratch slot 0):
+ * float32 x (M, K) -> y (M, N) */
+static int linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                      const float *bias, float *y, int nthreads, int split) {
     if (K % 32 || !ember_quant_has_kernel(isa, type)) return -1;
+    const int64_t rows = split ? 2 * M : M;
+    float *out = y;
+    if (split && !(out = scratch(2, (size_t)(rows * N) * sizeof(float)))) return -2;
     int8_t *q;
     float *dx;
     int16_t *s;
-    void *acts = act_blocks(x, M, M, K, nthreads, &q, &dx, &s);
+    void *acts = act_blocks(x, M, rows, K, nthreads, &q, &dx, &s, split);
     if (!acts) return -2;
-    int rc = ember_quant_linear(isa, type, w, N, K, q, dx, s, M, bias, y, nthreads);
+    int rc = ember_quant_linear(isa, type, w, N, K, q, dx, s, rows, split ? 0 : bias, out, nthreads);
+    if (split && !rc) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N > 65536)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++)
+                y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n] + (bias ? bias[n] : 0.0f);
+    }
     return rc;
+}
+
+int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                           const float *bias, float *y, int nthreads) {
+    return linear_f32(isa, type, w, N, K, x, M, bias, y, nthreads, 0);
+}
+
+int ember_quant_linear_f32_split(int isa, int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                                 const float *bias, float *y, int nthreads) {
+    return linear_f32(isa, type, w, N, K, x, M, bias, y, nthreads, 1);
 }
 
 /* The products a CPU graph records (ember.hardware.cpu_graphs; ember_cpu.c's ember_replay
@@ -1104,8 +1172,16 @@ int ember_quant_linear_f32(int isa, int type, const uint8_t *w, int64_t N, int64
 int ember_quant_linear_x8__packed(const int64_t *a) {
     return ember_quant_linear_x8((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8), (int)a[9]);
 }
+int ember_quant_linear_x8_split__packed(const int64_t *a) {
+    return ember_quant_linear_x8_split((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8),
+                                       (int)a[9]);
+}
 int ember_quant_linear_f32__packed(const int64_t *a) {
     return ember_quant_linear_f32((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8), (int)a[9]);
+}
+int ember_quant_linear_f32_split__packed(const int64_t *a) {
+    return ember_quant_linear_f32_split((int)a[0], (int)a[1], PTR(2), a[3], a[4], PTR(5), a[6], PTR(7), PTR(8),
+                                        (int)a[9]);
 }
 int ember_quant_rows__packed(const int64_t *a) {
     return ember_quant_rows((int)a[0], PTR(1), a[2], a[3], (int)a[4], PTR(5), a[6], PTR(7), (int)a[8]);
