@@ -22,6 +22,7 @@ from ember.engine.grammar_manager import GrammarManager
 from ember.engine.output_processor import EngineCoreOutput
 from ember.engine.parallel_sampling import child_id, child_params
 from ember.engine.speculative import SpeculativeDecoder, create_speculator
+from ember.models.base import uniform_sliding_window
 from ember.models.loader import load_hf_config, load_model, model_dtype, prefill_context_scale
 from ember.models.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.outputs import RequestMetrics
@@ -165,7 +166,8 @@ class EngineCore:
             )
             num_blocks = budget // (bytes_per_token * block_size)
             check_kv_cache(num_blocks, block_size, config, self.max_model_len, bytes_per_token, budget)
-        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                         sliding_window=uniform_sliding_window(self.hf_config))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill,

@@ -119,3 +119,11 @@ def layer_sliding_window(hf_config, index: int) -> int | None:
     if getattr(hf_config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def uniform_sliding_window(hf_config) -> int | None:
+    """The window when every layer slides with the same one (Mistral-7B-v0.1: the KV
+    manager may then release blocks behind it), else None (global layers keep all)."""
+    count = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    windows = {layer_sliding_window(hf_config, i) for i in range(count)}
+    return windows.pop() if len(windows) == 1 and None not in windows else None

@@ -12,6 +12,14 @@ request reuses every cached block of its prompt by reference count. A block whos
 last user leaves keeps its contents and digest and goes to the back of the free
 queue; it is evicted (forgets its digest) only when the pool hands it out again,
 least recently freed first.
+
+Sliding windows: for a model whose every layer attends over a window of ``W`` keys
+(``sliding_window``), a block whose tokens lie wholly before ``num_computed - W + 1``
+is never read again (attention reads from the window's first block on), so
+`release_out_of_window` drops the request's reference to it: the pool can hand it out
+while the request runs (a 32k-token request of Mistral-7B-v0.1 holds about ``W`` tokens of
+blocks, not 32k). Its id stays in the request's table (kept valid: attention never reads
+it) and is never freed twice. Models mixing sliding and global layers keep every block.
 """
 
 from __future__ import annotations
@@ -105,15 +113,21 @@ class KVCacheManager:
     """Owns the block tables of running requests.
 
     Invariant: every block id is in the pool's free queue (ref_count 0) or in the
-    tables of exactly `ref_count` requests; after all requests are freed the pool
-    is full again (cached prefixes stay findable until evicted).
+    live part of the tables (past their released blocks) of exactly `ref_count`
+    requests; after all requests are freed the pool is full again (cached prefixes
+    stay findable until evicted).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's window: out-of-window blocks are released
+        self._released: dict[str, int] = {}  # leading blocks of each table whose reference was dropped
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
         self._digests: dict[str, list[bytes]] = {}  # digests of each request's full blocks
@@ -207,12 +221,34 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """With ``sliding_window``: drop the request's references to its leading blocks that
+        no later query reaches (every position ``<= num_computed_tokens - window``), once
+        each; return how many were released now. Call after `cache_full_blocks` (a released
+        block keeps its cached prefix until the pool hands it out) with a count that later
+        steps never go below (accepted tokens, not drafts that may be rejected)."""
+        window = self.sliding_window
+        table = self._block_tables.get(request_id)
+        if window is None or not table:
+            return 0
+        done = self._released.get(request_id, 0)
+        dead = min(len(table), max(0, num_computed_tokens - window + 1) // self.block_size)
+        if dead <= done:
+            return 0
+        self.pool.free(table[done:dead][::-1])
+        self._released[request_id] = dead
+        return dead - done
+
+    def num_released_blocks(self, request_id: str) -> int:
+        return self._released.get(request_id, 0)
+
     def free(self, request_id: str) -> None:
-        """Drop the request's references (tail first); unknown ids are a no-op."""
+        """Drop the request's references (tail first, released blocks skipped); unknown ids are a no-op."""
         blocks = self._block_tables.pop(request_id, None)
         self._digests.pop(request_id, None)
+        done = self._released.pop(request_id, 0)
         if blocks:
-            self.pool.free(blocks[::-1])
+            self.pool.free(blocks[done:][::-1])
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._block_tables.get(request_id, [])

@@ -348,6 +348,8 @@ class Scheduler:
             if self.kv.has_uncached_full_blocks(request_id, num_known):
                 # all_token_ids copies the sequence: only when a block just filled up
                 self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known)
+            if self.kv.sliding_window is not None:  # every layer slides: blocks behind the window go back
+                self.kv.release_out_of_window(request_id, num_known)
             if status is not None:
                 self._finish(request, status)
             updates.append(RequestUpdate(request, new_ids))
