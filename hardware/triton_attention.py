@@ -21,6 +21,14 @@ A token at position ``p`` sees positions ``0 .. p`` of its request: causal withi
 prompt chunk, the whole cached context before it. GQA: query head ``h`` reads KV
 head ``h // (num_heads // num_kv_heads)``. float32 products run at IEEE precision
 (no TF32), so float32 results match the CPU backend's.
+
+Sliding windows and logit soft-capping (``forward``'s ``window`` / ``softcap``) are
+compile-time constants of both kernels (``WINDOW``, ``SOFTCAP``; 0 for none), so the
+plain kernels compile exactly as before and each (window, cap) a model uses is one more
+specialization. With a window, a walk starts at the first key the window reaches
+(``p - window + 1``; for a tile, that of its first token), so blocks wholly before it are
+never read, and keys at ``j <= p - window`` are masked; with a cap, each scaled score
+``s`` becomes ``softcap * tanh(s / softcap)`` before the mask.
 """
 
 from __future__ import annotations
@@ -63,6 +71,16 @@ def _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
 
 
 @triton.jit
+def _soft_cap(scores, SOFTCAP: tl.constexpr):
+    """``SOFTCAP * tanh(scores / SOFTCAP)``; tanh from one exp of ``-2|x|`` (Triton has no
+    portable tanh), which saturates to +-1 where ``exp(2x)`` would overflow."""
+    x = scores / SOFTCAP
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return SOFTCAP * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, token_index_ptr, token_request_ptr,
     token_position_ptr, stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_table,
@@ -73,6 +91,8 @@ def _paged_attention(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context positions per iteration
+    WINDOW: tl.constexpr,  # sliding window in positions; 0: the whole context
+    SOFTCAP: tl.constexpr,  # logit soft-cap; 0.0: none
 ):
     token = tl.load(token_index_ptr + tl.program_id(0))  # a decode's flat row
     head = tl.program_id(1)
@@ -86,7 +106,10 @@ def _paged_attention(
     m_i = tl.full((1,), float("-inf"), tl.float32)  # running maximum of the scores
     l_i = tl.zeros((1,), tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for start in range(0, position + 1, BLOCK_N):
+    first_key = 0
+    if WINDOW > 0:  # the walk starts at the window's first key: nothing before it is read
+        first_key = tl.maximum(position - WINDOW + 1, 0)
+    for start in range(first_key, position + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= position
         rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
@@ -94,6 +117,8 @@ def _paged_attention(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * scale
+        if SOFTCAP > 0:
+            scores = _soft_cap(scores, SOFTCAP)
         scores = tl.where(n_mask, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -122,6 +147,8 @@ def _paged_attention_tiled(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact
     UPCAST: tl.constexpr,  # products in float32 (Triton's interpreter has no bf16/fp16 tl.dot)
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -144,7 +171,10 @@ def _paged_attention_tiled(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, last + 1, BLOCK_N):
+    first_key = 0
+    if WINDOW > 0:  # the first key the window of the tile's first token reaches
+        first_key = tl.maximum(first_position - WINDOW + 1, 0)
+    for start in range(first_key, last + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n <= last
         rows = _context_rows(block_table_ptr, request, stride_table, n, n_mask, kv_head,
@@ -154,16 +184,26 @@ def _paged_attention_tiled(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where((n[None, :] <= positions[:, None]) & n_mask[None, :], scores, float("-inf"))
+        if SOFTCAP > 0:
+            scores = _soft_cap(scores, SOFTCAP)
+        visible = (n[None, :] <= positions[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > positions[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_ref = m_new
+        if WINDOW > 0:  # a later row's window may not reach this block yet: exp(-inf - -inf) would be NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_ref[:, None])
+        alpha = tl.exp(m_i - m_ref)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if WINDOW > 0:  # padding rows past the tile's last token may see no key at all (never stored)
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (first + m)[:, None] * stride_o_token + head * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -183,6 +223,16 @@ class TritonAttentionMetadata:
     tile_position: torch.Tensor  # (num_tiles,) int64 position of its first token
 
 
+def kernel_limits(window: int | None, softcap: float | None) -> dict:
+    """The kernels' ``WINDOW`` / ``SOFTCAP`` constants for forward's ``window`` / ``softcap``
+    (0 for none); ValueError naming a window under 1 or a cap that is not positive."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of positions, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")
+    return {"WINDOW": window or 0, "SOFTCAP": float(softcap or 0.0)}
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each token's K and V rows ``(num_tokens, num_kv_heads, head_dim)`` into
     the paged ``kv_cache`` at its slot; tokens with a negative slot are skipped."""
@@ -200,7 +250,9 @@ class TritonAttention(BaseAttention):
     """``BaseAttention`` over Triton kernels, for any device Triton runs on (and CPU
     tensors under ``TRITON_INTERPRET=1``). Decodes take one program per (token, head);
     prompts and prompt chunks take one per (tile of ``block_m`` tokens, head), whose
-    keys are read once for the tile. ``block_n``: context positions per iteration."""
+    keys are read once for the tile. ``block_n``: context positions per iteration.
+    ``forward``'s ``window`` / ``softcap`` become the kernels' compile-time ``WINDOW`` /
+    ``SOFTCAP`` (`kernel_limits`)."""
 
     name = "triton"
 
@@ -259,7 +311,13 @@ class TritonAttention(BaseAttention):
         torch.sub(batch.seq_lens, 1, out=metadata.token_position[:n])
         metadata.token_position[n:].zero_()  # padding reads position 0 of its row's first block
 
-    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+    # compile-time constants of both kernels (`kernel_limits`): the plain kernels are unchanged
+    supports_sliding_window = True
+    supports_softcap = True
+
+    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        limits = kernel_limits(window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         if num_tokens:
@@ -268,7 +326,8 @@ class TritonAttention(BaseAttention):
         if q.stride(2) != 1:
             q = q.contiguous()
         shared = dict(GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=self.block_n)
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=self.block_n,
+                      **limits)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0), scale)
         if metadata.decode_tokens.numel():
             _paged_attention[(metadata.decode_tokens.numel(), num_heads)](
