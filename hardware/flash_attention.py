@@ -21,11 +21,19 @@ nheads_k, headdim)``). flash-attn 2 requires ``page_block_size`` to be a multipl
 prefix caching then shares whole 256-token blocks). It writes K/V into the cache with
 the Triton kernel the Triton attention uses, and runs float32 models (which flash-attn
 does not take) and head sizes over 256 through the Triton attention.
+
+Sliding windows and soft-capping go to both entry points as flash-attn documents them:
+``window_size=(window - 1, 0)`` (with ``causal``, the query at position ``p`` sees keys
+``p - (window - 1) .. p``: Ember's ``p - window < j <= p``) and ``softcap=`` (flash-attn
+computes ``softcap * tanh(s / softcap)`` of the scaled score ``s``, 2.6 and later).
+A flash-attn without ``softcap`` (before 2.6, or a build that refuses it) runs the
+capped layers through the Triton attention, said once in the log.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -66,9 +74,13 @@ class FlashAttention(BaseAttention):
         module = module or importlib.import_module("flash_attn")
         self.varlen = module.flash_attn_varlen_func
         self.with_kvcache = module.flash_attn_with_kvcache
-        from ember.hardware.triton_attention import TritonAttention, write_kv
+        # softcap= arrived in flash-attn 2.6 (window_size= in 2.3, before the paged cache)
+        self.has_softcap = all(_takes(f, "softcap") for f in (self.varlen, self.with_kvcache))
+
+        from ember.hardware.triton_attention import TritonAttention, kernel_limits, write_kv
 
         self.write_kv = write_kv
+        self.check_limits = kernel_limits  # the same ValueError for a bad window or cap
         self.fallback = TritonAttention()
         self._warned: set[str] = set()
 
@@ -104,30 +116,65 @@ class FlashAttention(BaseAttention):
         metadata.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         metadata.seq_lens[n:].fill_(1)
 
-    def _unsupported(self, q: torch.Tensor) -> str | None:
+    supports_sliding_window = True
+    supports_softcap = True  # by flash-attn 2.6+, else by the Triton attention
+
+    def _unsupported(self, q: torch.Tensor, softcap: float | None = None) -> str | None:
+        if softcap is not None and not self.has_softcap:
+            return "logit soft-capping (this flash-attn has no softcap; 2.6 and later do)"
         if q.dtype not in _DTYPES:
             return f"{q.dtype} (flash-attn runs float16 and bfloat16)"
         if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8:
             return f"head size {q.shape[-1]} (flash-attn runs multiples of 8 up to {MAX_HEAD_DIM})"
         return None
 
-    def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale: float) -> torch.Tensor:
-        reason = self._unsupported(q)
+    def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        self.check_limits(window, softcap)
+        limits = {} if window is None else {"window": window}
+        if softcap is not None:
+            limits["softcap"] = softcap
+        reason = self._unsupported(q, softcap)
         if reason is not None:
-            if reason not in self._warned:
-                self._warned.add(reason)
-                logger.info("attention: %s runs the Triton kernels", reason)
-            if metadata.fallback is None:
-                metadata.fallback = self.fallback.prepare(metadata.batch)
-            return self.fallback.forward(q, k, v, kv_cache, metadata.fallback, scale)
+            return self._run_triton(reason, q, k, v, kv_cache, metadata, scale, limits)
         if q.shape[0]:
             self.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        if metadata.decode_only:
-            return self.with_kvcache(
-                q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=metadata.seq_lens,
-                block_table=metadata.block_table, softmax_scale=scale, causal=True,
-            ).squeeze(1)
-        return self.varlen(
-            q, kv_cache[0], kv_cache[1], metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
-            metadata.max_seqlen_k, softmax_scale=scale, causal=True, block_table=metadata.block_table,
-        )
+        # flash-attn's (left, right) window: with causal, right 0 and left window - 1 keys before p
+        flash_limits = {} if window is None else {"window_size": (window - 1, 0)}
+        if softcap is not None:
+            flash_limits["softcap"] = float(softcap)
+        try:
+            if metadata.decode_only:
+                return self.with_kvcache(
+                    q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=metadata.seq_lens,
+                    block_table=metadata.block_table, softmax_scale=scale, causal=True, **flash_limits,
+                ).squeeze(1)
+            return self.varlen(
+                q, kv_cache[0], kv_cache[1], metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
+                metadata.max_seqlen_k, softmax_scale=scale, causal=True, block_table=metadata.block_table,
+                **flash_limits,
+            )
+        except RuntimeError as exc:  # a build compiled without soft-capping says so when called with it
+            if softcap is None or "softcap" not in str(exc):
+                raise
+            self.has_softcap = False
+            # K/V are written already; the Triton attention writes the same rows to the same slots again
+            return self._run_triton(f"logit soft-capping ({exc})", q, k, v, kv_cache, metadata, scale, limits)
+
+    def _run_triton(self, reason: str, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale: float,
+                    limits: dict) -> torch.Tensor:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.info("attention: %s runs the Triton kernels", reason)
+        if metadata.fallback is None:
+            metadata.fallback = self.fallback.prepare(metadata.batch)
+        return self.fallback.forward(q, k, v, kv_cache, metadata.fallback, scale, **limits)
+
+
+def _takes(function, name: str) -> bool:
+    """Whether ``function`` accepts the keyword ``name`` (True where its signature is unreadable)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

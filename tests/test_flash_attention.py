@@ -6,13 +6,16 @@ tests/flash_attn_reference.py, flash-attn's two paged entry points as its
 documentation defines them (with the argument checks its kernels make), and must pass
 the backend conformance kit's float64 attention check: this shows that Ember calls
 flash-attn as documented, not that flash-attn's kernels are right (a GPU shows that:
-benchmarks/device_check.py)."""
+benchmarks/device_check.py). Likewise for sliding windows and soft-caps: the arguments
+Ember passes (``window_size=(window - 1, 0)``, ``softcap=``) are checked, and the
+reference's reading of them passes the kit; flash-attn's kernels computing them is not."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it: no GPU here
 
@@ -27,6 +30,7 @@ from ember.hardware.cpu import CPUAttention
 from ember.hardware.flash_attention import FlashAttention
 from ember.hardware.triton_attention import TritonAttention
 from ember.plugin import create_plugin_manager
+from ember.plugin.backend import AttentionBatch, SequenceSlice
 from ember.testing import check_backend_basics, check_graph_attention
 from ember.testing.backend_conformance import check_attention
 
@@ -55,6 +59,105 @@ def test_the_adapter_passes_the_conformance_kit_through_flash_attns_documented_a
     assert isinstance(backend.create_attention(), FlashAttention)
     check_attention(backend, dtype=dtype)
     check_graph_attention(backend, dtype=dtype)
+
+
+def test_the_adapter_with_a_window_and_a_cap_passes_the_conformance_kit(backends, flash_attn):
+    """Both limits at once (the kit's window scaled to the 256-token pages): through both
+    entry points and the graph form."""
+    backend = backends.get("cuda").interpreted()()
+    attention = backend.create_attention()
+    assert attention.supports_sliding_window and attention.supports_softcap and attention.has_softcap
+    check_attention(backend, dtype=torch.bfloat16, window=5, softcap=0.75)
+    check_graph_attention(backend, dtype=torch.bfloat16, window=5, softcap=0.75)
+
+
+def _recording(module, calls: list) -> SimpleNamespace:
+    """``module``'s two entry points, each call's keyword arguments appended to ``calls``."""
+    def record(name):
+        def call(*args, **kwargs):
+            calls.append((name, kwargs))
+            return getattr(module, name)(*args, **kwargs)
+        return call
+
+    return SimpleNamespace(**{name: record(name) for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache")})
+
+
+def _step(attention, slices, limits, cache=None, seed=0):
+    """One bf16 step of ``slices`` (256-token blocks, 4 query / 2 KV heads of 16) through
+    ``attention``: its output and the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = AttentionBatch.from_slices(slices, 256, torch.device("cpu"))
+    tokens = sum(s.num_query_tokens for s in slices)
+    q, k, v = (torch.randn(tokens, heads, 16, generator=gen).bfloat16() for heads in (4, 2, 2))
+    cache = torch.randn(2, 3, 256, 2, 16, generator=gen).bfloat16() if cache is None else cache
+    return attention.forward(q, k, v, cache, attention.prepare(batch), 0.25, **limits), cache
+
+
+PROMPT_AND_CHUNK = [SequenceSlice(3, 0, [1]), SequenceSlice(2, 300, [0, 2])]
+DECODES = [SequenceSlice(1, 260, [2, 0]), SequenceSlice(1, 7, [1])]
+
+
+def test_windows_and_caps_reach_both_entry_points_as_flash_attn_documents_them():
+    calls = []
+    attention = FlashAttention(_recording(flash_attn_reference, calls))
+    for limits in ({}, {"window": 40}, {"softcap": 30}, {"window": 40, "softcap": 30.0}):
+        for slices in (PROMPT_AND_CHUNK, DECODES):
+            _step(attention, slices, limits)
+    expected = [{}, {"window_size": (39, 0)}, {"softcap": 30.0}, {"window_size": (39, 0), "softcap": 30.0}]
+    for (name, kwargs), want in zip(calls, [w for w in expected for _ in range(2)]):
+        assert {key: kwargs[key] for key in ("window_size", "softcap") if key in kwargs} == want, name
+        assert kwargs["causal"] is True and isinstance(kwargs.get("softcap", 0.0), float)
+    assert [name for name, _ in calls] == ["flash_attn_varlen_func", "flash_attn_with_kvcache"] * 4
+    with pytest.raises(ValueError, match="window must be a positive number of positions, got 0"):
+        _step(attention, DECODES, {"window": 0})
+
+
+def test_a_flash_attn_without_softcap_runs_the_capped_layers_through_triton(caplog):
+    """flash-attn before 2.6 (no ``softcap`` keyword): capped layers take the Triton
+    kernels, windowed ones stay on flash-attn; a build that refuses a cap when called
+    (compiled without it) is found out at its first capped call, the same way."""
+    calls = []
+    recording = _recording(flash_attn_reference, calls)
+
+    # flash-attn 2.5's signatures (paged KV, windows, no softcap)
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+               causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_attn_probs=False,
+               block_table=None):
+        return recording.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, block_table=block_table)
+
+    def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                     cache_batch_idx=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                     rotary_interleaved=True, alibi_slopes=None, num_splits=0):
+        return recording.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                                 block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                                                 window_size=window_size)
+
+    old = FlashAttention(SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache))
+    triton = TritonAttention()
+    assert not old.has_softcap and old.supports_softcap  # the class still honours caps, through Triton
+    with caplog.at_level(logging.INFO, logger="ember.hardware.flash_attention"):
+        for slices in (PROMPT_AND_CHUNK, DECODES):
+            got, _ = _step(old, slices, {"window": 40, "softcap": 30.0})
+            want, _ = _step(triton, slices, {"window": 40, "softcap": 30.0})
+            assert torch.equal(got, want)
+    assert calls == []
+    assert "logit soft-capping (this flash-attn has no softcap; 2.6 and later do) runs the Triton" in caplog.text
+    _step(old, DECODES, {"window": 40})
+    assert [kwargs["window_size"] for _, kwargs in calls] == [(39, 0)]
+
+    def refuses(*args, softcap=0.0, **kwargs):
+        if softcap > 0:
+            raise RuntimeError("This flash attention build does not support softcap.")
+        raise RuntimeError("some other failure")
+
+    built_without = FlashAttention(SimpleNamespace(flash_attn_varlen_func=refuses, flash_attn_with_kvcache=refuses))
+    assert built_without.has_softcap
+    got, _ = _step(built_without, DECODES, {"softcap": 30.0})
+    assert torch.equal(got, _step(triton, DECODES, {"softcap": 30.0})[0]) and not built_without.has_softcap
+    with pytest.raises(RuntimeError, match="some other failure"):
+        _step(built_without, DECODES, {"window": 40})
 
 
 def test_float32_which_flash_attn_does_not_take_runs_the_triton_kernels(backends, flash_attn, caplog):
