@@ -186,7 +186,9 @@ class TorchDeviceBackend(BaseBackend):
         """The attention the option ``attention`` names (``flash-attn``, ``triton``,
         ``torch``), or by default: flash-attn where this backend runs it and it is
         installed, else Triton (``torch`` where the device has no Triton). The choice
-        is logged once per process."""
+        is logged once per process. All three honour sliding windows and logit
+        soft-caps (``supports_sliding_window`` / ``supports_softcap``), so no choice
+        refuses Gemma 2/3 or Mistral."""
         choices = self.attention_choices()
         requested = self.options.attention
         if requested != "auto" and requested not in choices:

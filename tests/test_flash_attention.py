@@ -32,7 +32,7 @@ from ember.hardware.triton_attention import TritonAttention
 from ember.plugin import create_plugin_manager
 from ember.plugin.backend import AttentionBatch, SequenceSlice
 from ember.testing import check_backend_basics, check_graph_attention
-from ember.testing.backend_conformance import check_attention
+from ember.testing.backend_conformance import attention_limits, check_attention
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,19 @@ def test_flash_attn_is_chosen_where_installed_and_triton_otherwise(backends, fla
     assert isinstance(backends.get("xpu")().create_attention(), TritonAttention)  # no flash-attn build for XPU
     assert isinstance(backends.get("cuda")({"attention": "triton"}).create_attention(), TritonAttention)
     assert isinstance(backends.get("cuda")({"attention": "torch"}).create_attention(), CPUAttention)
+
+
+@pytest.mark.parametrize(("name", "options"), [("gaudi", None), ("cuda", {"attention": "torch"})])
+def test_the_pytorch_attention_of_the_device_backends_honours_windows_and_caps(backends, name, options):
+    """Gaudi's attention, and attention=torch on a GPU backend: the CPU backend's PyTorch
+    path (no native kernels), which declares both limits, so that the kit runs them (every
+    dtype and limit under ``ember backends check gaudi --interpret``); here both at once."""
+    backend = backends.get(name).interpreted()(options)
+    attention = backend.create_attention()
+    assert isinstance(attention, CPUAttention) and attention.kernels is None
+    assert attention_limits(attention) == [(None, None), (5, None), (None, 0.75), (5, 0.75)]
+    check_attention(backend, dtype=torch.bfloat16, window=5, softcap=0.75)
+    check_graph_attention(backend, dtype=torch.bfloat16, window=5, softcap=0.75)
 
 
 def test_without_flash_attn_the_gpu_backends_say_so_and_run_triton(backends, no_flash_attn, monkeypatch, caplog):
