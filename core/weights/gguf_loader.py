@@ -40,7 +40,9 @@ import numpy as np
 import torch
 
 from .errors import InvalidCheckpointError, UnsupportedArchitectureError
-from .gguf_names import IGNORED_TENSORS, expert_tensor_names, hf_tensor_name, rotary_heads, unpermute_rotary
+from .gguf_names import (
+    IGNORED_TENSORS, expert_tensor_names, fused_parts, hf_tensor_name, rotary_heads, unpermute_rotary,
+)
 from .gguf_quants import FLOAT_TYPES, QUANT_TYPES
 from .staging import publish_staging_dir, staging_dir
 
@@ -86,6 +88,7 @@ SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", is_rotary_permuted=False, norm_offset=1.0),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", is_rotary_permuted=False, norm_offset=1.0),
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", is_rotary_permuted=False),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", is_rotary_permuted=False),
 }
 # a `llama` file with experts (`llama.expert_count`) is Mixtral
 MIXTRAL = GGUFArchitecture("MixtralForCausalLM", is_rotary_permuted=True)
@@ -142,6 +145,11 @@ def convert_gguf_to_hf(
         raise UnsupportedArchitectureError(
             f"GGUF file {str(gguf_path)!r} has architecture {arch_name!r}; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    if arch_name == "phi3" and any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise UnsupportedArchitectureError(
+            f"GGUF file {str(gguf_path)!r} is a Phi-3 with LongRoPE (rope_factors_long/short tensors), which "
+            "transformers' GGUF config reading drops; load its safetensors checkpoint instead (LongRoPE runs there)"
         )
     if "tokenizer.ggml.model" not in reader.fields:
         raise ValueError(f"GGUF file {str(gguf_path)!r} has no tokenizer metadata (tokenizer.ggml.*)")
@@ -204,9 +212,12 @@ def convert_gguf_to_hf(
                 with _reading(gguf_path, f"reading tensor {t.name!r}"):
                     data = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
                 data = unpermute_rotary(data, heads) if permuted else data
-                linear = EMBEDDING_SOURCE if t.name == EMBEDDING else name.removesuffix(".weight")
-                tensors[f"{linear}.weight"] = data.contiguous()
-                tensors[f"{linear}.{TYPE_SUFFIX}"] = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
+                # a fused weight's rows split into its projections (whole rows of blocks each)
+                parts = fused_parts(name, config) or [(name, data.shape[0])]
+                for (part_name, rows), part in zip(parts, data.split([r for _, r in parts])):
+                    linear = EMBEDDING_SOURCE if t.name == EMBEDDING else part_name.removesuffix(".weight")
+                    tensors[f"{linear}.weight"] = part.contiguous()
+                    tensors[f"{linear}.{TYPE_SUFFIX}"] = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
                 continue  # a tied token_embd: the embedding reads the LM head's rows
             with _reading(gguf_path, f"reading tensor {t.name!r}"):
                 array = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -44,7 +44,9 @@ _GEMMA_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
+# Phi-3: llama.cpp keeps the checkpoint's fused projections (ffn_up holds gate and up)
+_PHI3_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER}
 
 # Tensors llama.cpp stores that have no Hugging Face parameter: `rope_freqs`
 # holds Llama 3 rope scaling factors, which transformers takes from the config.
@@ -120,3 +122,19 @@ def unpermute_rotary(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     half_head_dim = num_rows // num_heads // 2
     rest = tensor.shape[1:]
     return tensor.reshape(num_heads, half_head_dim, 2, *rest).transpose(1, 2).reshape(tensor.shape).contiguous()
+
+
+def fused_parts(hf_name: str, config) -> list[tuple[str, int]] | None:
+    """The projections a fused weight's rows hold, in order, as ``(name, rows)``: Phi-3's
+    ``qkv_proj`` (q, k, v) and ``gate_up_proj`` (gate, up); None for any other tensor."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if hf_name.endswith(".self_attn.qkv_proj.weight"):
+        stem = hf_name.removesuffix("qkv_proj.weight")
+        return [(f"{stem}q_proj.weight", heads * head_dim), (f"{stem}k_proj.weight", kv_heads * head_dim),
+                (f"{stem}v_proj.weight", kv_heads * head_dim)]
+    if hf_name.endswith(".mlp.gate_up_proj.weight"):
+        stem = hf_name.removesuffix("gate_up_proj.weight")
+        inter = config.intermediate_size
+        return [(f"{stem}gate_proj.weight", inter), (f"{stem}up_proj.weight", inter)]
+    return None
