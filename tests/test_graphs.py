@@ -90,6 +90,25 @@ def test_decode_graphs_give_the_eager_tokens_with_padding_and_refilled_metadata(
     assert all(replays[size] for size in (1, 2, 4, 8)), replays  # every size replayed, most of them padded
 
 
+def test_a_gemma_2_with_sliding_windows_and_soft_caps_decodes_through_graphs_as_on_the_cpu(
+    interpreted, tmp_path_factory,
+):
+    """A tiny Gemma 2 (sliding layers with a window of 6 keys around a global one, attention
+    soft-cap 50): its layers pass window= and softcap= to the device attention, in prompts
+    longer than the window, chunks and padded decode graphs; the tokens are the CPU
+    backend's."""
+    from ember.testing.tiny_models import make_tiny_model
+
+    model_dir = tmp_path_factory.mktemp("tiny-gemma2")
+    make_tiny_model("gemma2", model_dir, seed=3)
+    tokens = {}
+    for name, engine in (("device", _engine(model_dir, interpreted, graph_sizes=(1, 4), max_num_batched_tokens=24)),
+                         ("cpu", LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_tokens=2048,
+                                                        block_size=16, enforce_eager=True)))):
+        tokens[name] = _run(engine)
+    assert tokens["device"] == tokens["cpu"]
+
+
 def test_a_float32_model_refuses_cpu_graphs_and_graph_sizes_are_validated(tiny_llama_dir, caplog):
     # its products are PyTorch GEMMs, which a CPU graph cannot record (tests/test_cpu_graphs.py)
     with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):
