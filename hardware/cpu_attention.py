@@ -221,17 +221,6 @@ class CPUAttention(BaseAttention):
                 out[rows] = kernels.paged_decode_attention(q[rows], kv_cache[0], kv_cache[1], metadata.decode_tables,
                                                            metadata.decode_lens, scale, window, softcap)
                 return out
-            if limited:  # PyTorch only: each decode over its own (windowed) context
-                rows = metadata.decode_token_index
-                rows = range(len(metadata.decode_lens)) if rows is None else rows.tolist()
-                for row, table, length in zip(rows, metadata.decode_tables, metadata.decode_lens.tolist()):
-                    lo = 0 if window is None else max(0, length - window)
-                    positions = torch.arange(lo, length, device=q.device)
-                    slots = table[positions // block_size] * block_size + positions % block_size
-                    out[row : row + 1] = attend_limited(q[row : row + 1], flat_cache[0][slots].to(q.dtype),
-                                                        flat_cache[1][slots].to(q.dtype), length - 1, lo, scale,
-                                                        window, softcap)
-                return out
             mask = metadata.mask()
             num_decodes, max_len = mask.shape[0], mask.shape[-1]
             decode_rows = metadata.decode_token_index
@@ -254,10 +243,20 @@ class CPUAttention(BaseAttention):
                 # head's query rows, (n, kv_heads, heads_per_kv, D).
                 rows = decode_rows[start:end]
                 qd = q[rows].view(n, num_kv_heads, -1, head_dim)
-                o = F.scaled_dot_product_attention(
-                    qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-                    attn_mask=mask[start:end], scale=scale,
-                )
+                # tensor ops only, no host sync: a device graph may capture this path
+                group_mask = mask[start:end]
+                if window is not None:  # the last `window` positions of each context
+                    first = (metadata.decode_lens[start:end] - window)[:, None, None, None]
+                    group_mask = group_mask & (torch.arange(max_len, device=q.device) >= first)
+                if softcap is None:
+                    o = F.scaled_dot_product_attention(
+                        qd, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+                        attn_mask=group_mask, scale=scale,
+                    )
+                else:  # SDPA cannot cap: the scores by hand, in float32
+                    scores = qd.float() @ ks.transpose(1, 2).float().transpose(-1, -2) * scale
+                    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~group_mask, float("-inf"))
+                    o = (scores.softmax(-1) @ vs.transpose(1, 2).float()).to(q.dtype)
                 out[rows] = o.reshape(n, -1, head_dim)
         return out
 
