@@ -15,6 +15,13 @@ bfloat16 tiles through PyTorch's GEMM) where the CPU multiplies bfloat16 nativel
 CPU backend's option ``gguf_prefill=int8|bf16|float32`` forces one, ``float32`` being
 exact (float tiles: the dequantized model's numbers). Its option ``gguf_x8=false``
 keeps every weight as read (the one-row kernels).
+
+How activations enter the integer kernels is the option ``gguf_activations``
+(``select_activations``, logged): ``int8x2`` by default, two 8-bit stages per block
+(``QuantKernels.quantize_split``: about 15 bits, both stages on one read of the weight),
+since one stage (``int8``, llama.cpp's) flipped near ties of the float model's next
+token (the README's chat example answered "L'Étoile, ..." for "Paris"); ``float`` runs
+every product on dequantized float32 tiles.
 """
 
 from __future__ import annotations
