@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ember.hardware import cpu_graphs, cpu_gguf, cpu_int_quant, cpu_kernels
+from ember.hardware import cpu_gguf, cpu_graphs, cpu_int_quant, cpu_kernels
 from ember.hardware.cpu_attention import CPUAttention
 from ember.hardware.cpu_kernels import onednn_linear, onednn_linear_works
 from ember.hardware.cpu_linear import PackedLinear, RowInvariantLinear, SmallBatchLinear, packing_works
@@ -276,7 +276,8 @@ class CPUBackend(BaseBackend):
         if kernels is None or compute_dtype not in cpu_kernels.KERNEL_DTYPES:
             return {}
         return {"rms_norm": kernels.rms_norm, "rope_": kernels.rope_, "silu_mul": kernels.silu_mul,
-                "embedding": kernels.embedding}
+                "embedding": kernels.embedding, "gelu_tanh_mul": kernels.gelu_tanh_mul,
+                "head_rms_norm_": kernels.head_rms_norm_, "scale_": kernels.scale_}
 
     # decode batch sizes captured as CPU graphs when the user names none: a graph saves
     # the Python around a forward's native calls, which matters while the kernels are

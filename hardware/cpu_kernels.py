@@ -143,6 +143,9 @@ class NativeKernels:
         self._rope = _typed(lib, "ember_rope",
                             [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         self._silu_mul = _typed(lib, "ember_silu_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+        self._gelu_tanh_mul = _typed(lib, "ember_gelu_tanh_mul", [vp] * 2 + [i64] * 2 + [ci])
+        self._head_rms_norm = _typed(lib, "ember_head_rms_norm", [vp] + [i64] * 4 + [vp, cf, ci])
+        self._scale = _typed(lib, "ember_scale", [vp, i64, cf])
         self._attention_kv16 = NativeFunction(lib, "ember_paged_decode_attention_kv16",
                                               [vp, i64] + [vp] * 5 + [i64] * 7 + [cf, ci, ci, i64, cf], ci)
         self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci, ci, ci], ci)
@@ -308,6 +311,36 @@ class NativeKernels:
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` for ``gate_up`` (T, 2 I) = [gate | up] (GeGLU)."""
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._gelu_tanh_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                                           torch.get_num_threads())
+        return out
+
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of every head of ``x`` (T, heads, D) in place, one ``weight`` (D,) for all
+        heads; ``x`` a view whose heads and dims are contiguous (rows may be apart: the q
+        or k part of a fused qkv). Returns ``x``."""
+        T, heads, D = x.shape
+        if x.stride(2) != 1 or x.stride(1) != D or weight.shape != (D,) or weight.dtype != x.dtype:
+            raise ValueError(f"head_rms_norm_: x {tuple(x.shape)} strides {x.stride()} with weight "
+                             f"{weight.dtype} {tuple(weight.shape)}: heads and dims must be contiguous, the "
+                             f"weight ({D},) of x's dtype")
+        self._head_rms_norm[x.dtype](x.data_ptr(), T, x.stride(0), heads, D, weight.data_ptr(), eps,
+                                     torch.get_num_threads())
+        return x
+
+    def scale_(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        """``x *= factor`` in place, each product rounded to x's dtype (``factor`` as the
+        caller rounded it: `ember.models.layers.Scale`). Returns ``x``."""
+        if not x.is_contiguous():
+            raise ValueError("scale_: x must be contiguous")
+        self._scale[x.dtype](x.data_ptr(), x.numel(), factor)
+        return x
 
     @staticmethod
     def kv_write_supports(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

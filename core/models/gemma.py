@@ -25,11 +25,19 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.models.base import layer_sliding_window
-from ember.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, rope_parameters
+from ember.models.layers import (
+    Embedding,
+    GeluAndMul,
+    HeadRMSNorm,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    Scale,
+    rope_parameters,
+)
 from ember.models.llama import LlamaForCausalLM
 from ember.plugin import hookimpl
 from ember.plugin.backend import BaseAttention, require_attention_features
@@ -82,8 +90,8 @@ class GemmaAttention(nn.Module):
         self.__dict__["rotary"] = rotary  # the model's, shared by every layer of this kind (not a submodule)
         self.q_norm = self.k_norm = None
         if cfg.model_type in QK_NORM_MODEL_TYPES:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = HeadRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = HeadRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
         # the keywords of this layer's attention: its window, the score cap
         self.limits: dict = {}
         window = layer_sliding_window(cfg, index)
@@ -99,9 +107,9 @@ class GemmaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head, in place where the backend fuses it
+            q = self.q_norm.forward(q)
+            k = self.k_norm.forward(k)
         q, k = self.rotary.forward(positions, q, k)
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale, **self.limits)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
@@ -115,13 +123,12 @@ class GemmaMLP(nn.Module):
             raise ValueError(f"hidden_activation {act!r} is not supported by Gemma (only "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)})")
         inter = cfg.intermediate_size
-        self.inter = inter
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], False, dtype, compute_dtype, device)
         self.down_proj = Linear(inter, [cfg.hidden_size], False, dtype, compute_dtype, device)
+        self.act = GeluAndMul()
 
     def forward(self, x):
-        gate, up = self.gate_up_proj.forward(x).split(self.inter, dim=-1)
-        return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -179,7 +186,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.layer_range = (0, cfg.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) or None
-        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.embed_scale = Scale(math.sqrt(cfg.hidden_size))
         head_dim = _head_dim(cfg)
         # one rotary table per kind of layer (equal settings share one)
         self.rotaries = nn.ModuleDict()
@@ -201,9 +208,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
                         else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, compute_dtype, device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.embed_tokens.forward(input_ids)
         # transformers multiplies in the embedding's dtype by sqrt(hidden) rounded to it
-        return (rows * torch.tensor(self.embed_scale, dtype=rows.dtype)).to(self.compute_dtype)
+        return self.embed_scale.forward(self.embed_tokens.forward(input_ids)).to(self.compute_dtype)
 
     def _local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super()._local_logits(hidden_states)

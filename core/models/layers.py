@@ -331,6 +331,57 @@ class SiluAndMul(FusableOp):
         return F.silu(gate) * up
 
 
+class GeluAndMul(FusableOp):
+    """GeGLU's activation (Gemma): ``gelu_tanh(gate) * up`` for ``x = [gate | up]``.
+    Fused op ``gelu_tanh_mul(x)``."""
+
+    op_name = "gelu_tanh_mul"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over each head of ``(T, heads, D)`` with one weight of ``D`` for all heads
+    (Qwen3's and Gemma 3's q/k norms). Fused op ``head_rms_norm_(x, weight, eps)``, in
+    place on a view whose heads and dims are contiguous (the q or k of a fused qkv)."""
+
+    op_name = "head_rms_norm_"
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            raise ValueError("HeadRMSNorm takes no residual")
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps)
+        T, heads, D = x.shape
+        h = x.reshape(-1, D).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(x.dtype) * h.to(x.dtype)).view(T, heads, D)
+
+
+class Scale(FusableOp):
+    """``x * factor`` (Gemma's embedding times sqrt(hidden)), the factor rounded to x's
+    dtype first as a product with a tensor of that dtype rounds it. Fused op
+    ``scale_(x, factor)``, in place on a fresh tensor."""
+
+    op_name = "scale_"
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = float(factor)
+        self.rounded = {dtype: float(torch.tensor(self.factor, dtype=dtype))
+                        for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = self.rounded.get(x.dtype, self.factor)
+        if self.fused is not None and x.is_contiguous():
+            return self.fused(x, factor)
+        return x * factor
+
+
 class RotaryEmbedding(FusableOp):
     """Rotate-half RoPE (the Hugging Face layout) with a cos/sin cache by position.
     Fused op ``rope_(x, positions, cos_cache, sin_cache)``, in place on ``q`` and ``k``.

@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from ember.models.base import BaseCausalLM, KVCacheSpec, layer_sliding_window
-from ember.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from ember.models.layers import (
+    Embedding,
+    HeadRMSNorm,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rope_parameters,
+)
 from ember.models.parallel.model import (
     build_parallel_shard,
     gather_logits,
@@ -68,8 +76,8 @@ class LlamaAttention(nn.Module):
         self.limits: dict = {}  # this layer's attention keywords: its sliding window (set by the model)
         self.q_norm = self.k_norm = None
         if cfg.model_type in QK_NORM_MODEL_TYPES:  # one weight of head_dim, shared by every head (and rank)
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = HeadRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = HeadRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions, hidden, kv_cache, attn_metadata, rotary: RotaryEmbedding):
         q, k, v = self.qkv_proj.forward(hidden).split(self.sizes, dim=-1)
@@ -77,9 +85,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # rows of head_dim, one per (token, head)
-            q = self.q_norm.forward(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm.forward(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head, in place where the backend fuses it
+            q = self.q_norm.forward(q)
+            k = self.k_norm.forward(k)
         q, k = rotary.forward(positions, q, k)
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata, self.scale, **self.limits)
         return self.o_proj.forward(out.reshape(num_tokens, -1))

@@ -5,6 +5,8 @@
  *   ember_paged_decode_attention  one query token per request over the paged KV cache
  *   ember_greedy                  argmax and its log-probability, per row of logits
  *   ember_rms_norm, ember_rope, ember_silu_mul   fused layer ops
+ *   ember_head_rms_norm, ember_gelu_tanh_mul, ember_scale   Gemma's and Qwen3's: per-head
+ *                                 norms in place, GeGLU, the embedding's scale
  *   ember_kv_write, ember_embedding              a step's K/V into the paged cache (float32, bf16
  *                                 or float16 there); token rows
  *   ember_replay                  runs a CPU graph: recorded calls of these kernels (and of
@@ -545,6 +547,70 @@ void ember_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_
     silu_mul(gu, out, rows, I, nthreads, 1);
 }
 
+/* ember_head_rms_norm: RMSNorm in place on each head of x (rows, heads, D), rows
+ * row_stride elements apart, heads D apart (the q or k part of a fused qkv), with one
+ * weight w (D) for every head: Qwen3's and Gemma 3's q/k norms, as rms_norm computes. */
+INLINE void head_rms_norm(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const void *w,
+                          float eps, int nthreads, int bf16) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * heads > 16)
+    for (int64_t t = 0; t < rows * heads; ++t) {
+        const int64_t base = t / heads * row_stride + t % heads * D;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8) {
+            __m256 v = ld8(x, base + i, bf16);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; i < D; ++i) ss += ld1(x, base + i, bf16) * ld1(x, base + i, bf16);
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (i = 0; i < D; ++i) st1(x, base + i, ld1(w, i, bf16) * rnd(ld1(x, base + i, bf16) * inv, bf16), bf16);
+    }
+}
+
+void ember_head_rms_norm(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, const float *w,
+                         float eps, int nthreads) {
+    head_rms_norm(x, rows, row_stride, heads, D, w, eps, nthreads, 0);
+}
+
+void ember_head_rms_norm_bf16(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t D,
+                              const uint16_t *w, float eps, int nthreads) {
+    head_rms_norm(x, rows, row_stride, heads, D, w, eps, nthreads, 1);
+}
+
+/* ember_gelu_tanh_mul: out[r, i] = gelu_tanh(gu[r, i]) * gu[r, I + i] for gu (rows, 2 I):
+ * GeGLU (Gemma), gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in
+ * PyTorch's order of operations, rounded to the dtype before the product as PyTorch's
+ * gelu rounds its output. */
+INLINE void gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t I, int nthreads, int bf16) {
+    const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 4)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r * 2 * I, u = g + I, o = r * I;
+        for (int64_t i = 0; i < I; ++i) {
+            const float x = ld1(gu, g + i, bf16), cube = x * x * x, inner = beta * (x + kappa * cube);
+            st1(out, o + i, rnd(0.5f * x * (1.0f + tanhf(inner)), bf16) * ld1(gu, u + i, bf16), bf16);
+        }
+    }
+}
+
+void ember_gelu_tanh_mul(const float *gu, float *out, int64_t rows, int64_t I, int nthreads) {
+    gelu_tanh_mul(gu, out, rows, I, nthreads, 0);
+}
+
+void ember_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int nthreads) {
+    gelu_tanh_mul(gu, out, rows, I, nthreads, 1);
+}
+
+/* ember_scale: x[i] *= s in place for n elements (s already in x's dtype). */
+INLINE void scale(void *x, int64_t n, float s, int bf16) {
+    for (int64_t i = 0; i < n; ++i) st1(x, i, ld1(x, i, bf16) * s, bf16);
+}
+
+void ember_scale(float *x, int64_t n, float s) { scale(x, n, s, 0); }
+
+void ember_scale_bf16(uint16_t *x, int64_t n, float s) { scale(x, n, s, 1); }
+
 /* ember_kv_write: this step's K and V rows into the paged cache. Token t (row_elems
  * values, src_stride elements apart in k and v: views of a fused qkv) goes to cache slot
  * slots[t] of k_cache / v_cache (num_slots rows); a negative slot (a padding row of a
@@ -645,6 +711,30 @@ int ember_silu_mul__packed(const int64_t *a) {
 }
 int ember_silu_mul_bf16__packed(const int64_t *a) {
     ember_silu_mul_bf16(PTR(0), PTR(1), a[2], a[3], (int)a[4]);
+    return 0;
+}
+int ember_head_rms_norm__packed(const int64_t *a) {
+    ember_head_rms_norm(PTR(0), a[1], a[2], a[3], a[4], PTR(5), packed_float(a[6]), (int)a[7]);
+    return 0;
+}
+int ember_head_rms_norm_bf16__packed(const int64_t *a) {
+    ember_head_rms_norm_bf16(PTR(0), a[1], a[2], a[3], a[4], PTR(5), packed_float(a[6]), (int)a[7]);
+    return 0;
+}
+int ember_gelu_tanh_mul__packed(const int64_t *a) {
+    ember_gelu_tanh_mul(PTR(0), PTR(1), a[2], a[3], (int)a[4]);
+    return 0;
+}
+int ember_gelu_tanh_mul_bf16__packed(const int64_t *a) {
+    ember_gelu_tanh_mul_bf16(PTR(0), PTR(1), a[2], a[3], (int)a[4]);
+    return 0;
+}
+int ember_scale__packed(const int64_t *a) {
+    ember_scale(PTR(0), a[1], packed_float(a[2]));
+    return 0;
+}
+int ember_scale_bf16__packed(const int64_t *a) {
+    ember_scale_bf16(PTR(0), a[1], packed_float(a[2]));
     return 0;
 }
 int ember_kv_write__packed(const int64_t *a) {
