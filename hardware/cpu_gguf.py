@@ -204,6 +204,17 @@ class GGUFLinearOp(QuantizedLinearOp):
             y = torch.nn.functional.linear(x2, weight.dequantize(torch.float32), b)
         elif len(plan) == 1:
             y = self._segment(x2, plan[0], K, b)
+        elif x2.shape[0] == 1 and all(self._by_kernel(1, p) for p in plan):
+            # one row (a batch-1 decode): each segment's kernel writes its columns of the
+            # one output row in place; no torch.cat, so a CPU graph records the product
+            # (Gemma 3 270M's qkv: Q5_0 q and k beside Q8_0 v)
+            y = torch.empty(1, weight.shape[0], dtype=torch.float32)
+            column = 0
+            for p in plan:
+                self._segment(x2, p, K, None, out=y.data_ptr() + 4 * column)
+                column += p[2]
+            if b is not None:
+                y += b
         else:
             y = torch.cat([self._segment(x2, p, K, None) for p in plan], dim=1)
             if b is not None:
@@ -221,27 +232,40 @@ class GGUFLinearOp(QuantizedLinearOp):
         type_id, data, _, _, _, x8 = plan[0]
         return self.kernels.rows(data, _TYPE_NAMES[type_id], weight.shape[1], ids, x8)
 
-    def _segment(self, x, plan, K, bias):
+    def _by_kernel(self, M: int, plan) -> bool:
+        """Whether ``_segment`` runs ``M`` rows of this segment through a native product
+        kernel (which can write into a given output), not dequantized tiles."""
+        _, _, _, has_kernel, _, x8 = plan
+        if self.activations == "float":
+            return False
+        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS:
+            return True
+        return has_kernel and (M <= MAX_KERNEL_ROWS or x8 and (M <= LARGE_ROWS or self.prefill == "int8"))
+
+    def _segment(self, x, plan, K, bias, out: int | None = None):
+        """``x @ W.T (+ bias)`` over one segment, (M, N) float32; with ``out`` (an address,
+        only where `_by_kernel`) the kernel writes there (rows of N contiguous) and None
+        is returned."""
         type_id, data, N, has_kernel, data_ptr, x8 = plan
         M = x.shape[0]
         large = M > LARGE_ROWS
-        exact = self.activations == "float"
-        if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS and not exact:
-            y = torch.empty(M, N, dtype=torch.float32)
-            rc = self._linear_x8_bf16(type_id, data_ptr, N, K, x.data_ptr(), M,
-                                      bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                      torch.get_num_threads())
-            if rc:
-                raise RuntimeError(f"GGUF AMX-BF16 kernel failed ({rc}) for type {type_id} ({N}, {K})")
-            return y
-        if has_kernel and not exact and (M <= MAX_KERNEL_ROWS or x8 and (not large or self.prefill == "int8")):
-            y = torch.empty(M, N, dtype=torch.float32)
+        if self._by_kernel(M, plan):
+            y = torch.empty(M, N, dtype=torch.float32) if out is None else None
+            target = y.data_ptr() if out is None else out
+            bias_ptr = bias.data_ptr() if bias is not None else None
+            if x8 and self.amx_bf16_rows <= M <= AMX_BF16_MAX_ROWS:
+                rc = self._linear_x8_bf16(type_id, data_ptr, N, K, x.data_ptr(), M, bias_ptr, target,
+                                          torch.get_num_threads())
+                if rc:
+                    raise RuntimeError(f"GGUF AMX-BF16 kernel failed ({rc}) for type {type_id} ({N}, {K})")
+                return y
             call = self._linear_x8 if x8 else self._linear_f32
-            rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M,
-                      bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads())
+            rc = call(self._isa, type_id, data_ptr, N, K, x.data_ptr(), M, bias_ptr, target, torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"GGUF kernel failed ({rc}) for type {type_id} ({N}, {K}, x8={x8})")
             return y
+        if out is not None:
+            raise ValueError("_segment: out= is only for products a kernel runs")
         kernels = self.kernels
         # many rows: dequantize tiles of weight rows into a reused buffer, F.linear each
         # tile (torch.mm into slices of a transposed output ran 2x slower here), the

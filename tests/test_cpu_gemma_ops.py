@@ -73,3 +73,30 @@ def test_a_gemma_decode_is_captured_as_cpu_graphs_with_the_same_tokens(tmp_path,
     eager = LLM(str(model), num_kv_blocks=64, block_size=4, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in graphs.generate(prompt_token_ids=prompts, sampling_params=params)] \
         == [o.outputs[0].token_ids for o in eager.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def test_one_row_through_segments_of_two_types_writes_one_output_row():
+    """A fused linear whose parts have different GGUF types (Gemma 3 270M's qkv: Q5_0 q
+    and k, Q8_0 v): one row runs each segment's kernel into its columns of one output
+    (no torch.cat, which a CPU graph cannot record), with the numbers of the general path."""
+    import gguf
+    import numpy as np
+
+    from ember.hardware.cpu_gguf import GGUFLinearOp
+    from ember.plugins.quantizers.gguf import GGUFWeight
+
+    rng = np.random.default_rng(0)
+    segments = []
+    for name, rows in (("Q5_0", 64), ("Q8_0", 32)):
+        data = gguf.quants.quantize((rng.standard_normal((rows, 64)) * 0.1).astype(np.float32),
+                                    getattr(gguf.GGMLQuantizationType, name))
+        segments.append((name, torch.from_numpy(np.ascontiguousarray(data))))
+    op = GGUFLinearOp()
+    weight = op.prepare(GGUFWeight(segments, 64))
+    assert len(weight.kernel_plan) == 2
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    both = op(x, weight)  # two rows: the segments' outputs joined
+    one = op(x[:1], weight)
+    assert one.shape == (1, 96) and torch.equal(one[0], both[0])
+    reference = torch.nn.functional.linear(x[:1], weight.dequantize(torch.float32))
+    torch.testing.assert_close(one, reference, rtol=0, atol=2e-2)
