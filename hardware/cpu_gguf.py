@@ -38,7 +38,7 @@ from ember.hardware.cpu_quant import (
     load,
 )
 from ember.plugin.quantizer import QuantizedLinearOp, QuantizedWeight
-from ember.weights.gguf_quants import QUANT_TYPES, quant_type
+from ember.weights.gguf_quants import QUANT_TYPES, q5_0_as_q8_0, quant_type
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +91,27 @@ class PackedGGUFWeight(QuantizedWeight):
     """The CPU kernels' form of a ``GGUFWeight``: ``segments`` is ``[(type name, uint8
     (rows, row bytes), x8)]``, each Q4_0 / Q4_1 / Q8_0 segment whose rows are a multiple
     of 8 repacked into the x8 layout (``x8`` True: the same size, 8 rows per product),
-    the others as read. ``dequantize`` gives the same numbers as the weight it came from."""
+    the others as read; with ``q5_0_x8`` Q5_0 segments first re-encoded as Q8_0
+    (``q5_0_as_q8_0``, lossless); adjacent x8 segments of one type joined. ``dequantize``
+    gives the same numbers as the weight it came from."""
 
     format = "gguf"
 
-    def __init__(self, weight, kernels: QuantKernels) -> None:
+    def __init__(self, weight, kernels: QuantKernels, q5_0_x8: bool = False) -> None:
         super().__init__(weight.shape)
         K = weight.shape[1]
         self.kernels = kernels
         self.segments = []
         for type_name, data in weight.segments:
+            if q5_0_x8 and type_name == "Q5_0" and kernels.x8_layout("Q8_0", data.shape[0]):
+                type_name, data = "Q8_0", q5_0_as_q8_0(data)  # lossless: the same values, x8 kernels
             x8 = kernels.x8_layout(type_name, data.shape[0])
-            self.segments.append((type_name, kernels.repack_x8(data, type_name, K) if x8 else data, x8))
+            data = kernels.repack_x8(data, type_name, K) if x8 else data
+            if x8 and self.segments and self.segments[-1][0] == type_name and self.segments[-1][2]:
+                # x8 groups of 8 rows are independent: two x8 segments of one type are one
+                # (a fused qkv whose q and k were Q5_0 beside a Q8_0 v: one kernel call)
+                data = torch.cat((self.segments.pop()[1], data))
+            self.segments.append((type_name, data, x8))
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -142,7 +151,7 @@ class GGUFLinearOp(QuantizedLinearOp):
         self.kernels = load(options.quant_isa, enabled=options.native)
         self._scratch = torch.empty(0)
         self._scratch_bf16 = torch.empty(0, dtype=torch.bfloat16)
-        self.x8 = False
+        self.x8 = self.q5_0_x8 = False
         self.prefill, why = select_prefill(mode=options.gguf_prefill, path=options.path)
         self.activations, why_activations = select_activations(options.gguf_activations)
         self.split = self.activations == "int8x2"
@@ -161,6 +170,7 @@ class GGUFLinearOp(QuantizedLinearOp):
             off = "option gguf_x8=false" if not options.gguf_x8 else \
                 "ref ISA" if self.kernels.isa == "ref" else None
             self.x8 = off is None
+            self.q5_0_x8 = self.x8 and options.gguf_q5_0_x8
             tiles = ""
             if self.x8 and self.kernels.isa == "amx":
                 tiles = f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows"
@@ -169,7 +179,8 @@ class GGUFLinearOp(QuantizedLinearOp):
                     tiles = (f"; AMX-INT8 tiles from {AMX_MIN_ROWS} rows, AMX-BF16 tiles from {AMX_BF16_ROWS} "
                              f"to {AMX_BF16_MAX_ROWS}")
             logger.info("GGUF %s weights: %s%s; products of more than %d rows: %s (%s); activations: %s (%s)",
-                        "/".join(X8_TYPES), "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles,
+                        "/".join(X8_TYPES) + ("/Q5_0 (as Q8_0)" if self.q5_0_x8 else ""),
+                        "x8 layout" if self.x8 else f"as read, one-row kernels ({off})", tiles,
                         LARGE_ROWS, self.prefill, why, self.activations, why_activations)
 
     def prepare(self, weight):
@@ -179,7 +190,7 @@ class GGUFLinearOp(QuantizedLinearOp):
             for type_name, data in weight.segments:
                 check_weight(data, type_name, weight.shape[1])
             if self.x8:
-                weight = PackedGGUFWeight(weight, self.kernels)
+                weight = PackedGGUFWeight(weight, self.kernels, self.q5_0_x8)
                 segments = weight.segments
             else:
                 segments = [(t, d, False) for t, d in weight.segments]

@@ -91,7 +91,9 @@ def test_one_row_through_segments_of_two_types_writes_one_output_row():
         data = gguf.quants.quantize((rng.standard_normal((rows, 64)) * 0.1).astype(np.float32),
                                     getattr(gguf.GGMLQuantizationType, name))
         segments.append((name, torch.from_numpy(np.ascontiguousarray(data))))
-    op = GGUFLinearOp()
+    from ember.hardware.cpu_options import CPUOptions
+
+    op = GGUFLinearOp(CPUOptions(gguf_q5_0_x8=False))  # Q5_0 as read: two segments, two kernels
     weight = op.prepare(GGUFWeight(segments, 64))
     assert len(weight.kernel_plan) == 2
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
@@ -100,3 +102,22 @@ def test_one_row_through_segments_of_two_types_writes_one_output_row():
     assert one.shape == (1, 96) and torch.equal(one[0], both[0])
     reference = torch.nn.functional.linear(x[:1], weight.dequantize(torch.float32))
     torch.testing.assert_close(one, reference, rtol=0, atol=2e-2)
+
+    # by default Q5_0 is re-encoded as Q8_0 (lossless) and joins the Q8_0 rows: one x8 segment
+    joined = GGUFLinearOp().prepare(GGUFWeight(segments, 64))
+    assert [(p[0], p[2], p[5]) for p in joined.kernel_plan] == [(8, 96, True)]  # ggml type 8: Q8_0
+    assert torch.equal(joined.dequantize(torch.float32), weight.dequantize(torch.float32))
+    torch.testing.assert_close(GGUFLinearOp()(x[:1], joined), reference, rtol=0, atol=2e-2)
+
+
+def test_q5_0_re_encoded_as_q8_0_holds_the_same_values():
+    import gguf
+    import numpy as np
+
+    from ember.weights.gguf_quants import dequantize, q5_0_as_q8_0
+
+    w = (np.random.default_rng(2).standard_normal((24, 96)) * 0.3).astype(np.float32)
+    q5 = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)))
+    q8 = q5_0_as_q8_0(q5)
+    assert q8.shape == (24, 96 // 32 * 34)
+    assert torch.equal(dequantize(q8, "Q8_0"), dequantize(q5, "Q5_0"))
