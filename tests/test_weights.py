@@ -466,7 +466,7 @@ def test_convert_rejects_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match="'mamba'.*llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match="'mamba'.*gemma2, gemma3, llama, phi3, qwen2, qwen3"):
         convert_gguf_to_hf(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
