@@ -6,8 +6,8 @@ token; a Phi-3 with LongRoPE whose prompts stay below original_max_position_embe
 a Phi-3 rotating half of each head): greedy tokens equal to transformers' in a
 staggered continuous batch, through the prefix cache and in chunked prefill, logits
 within 1e-4 in float32, the same tokens under a pool small enough to preempt. Then the
-grouped experts (no expert without tokens runs), their grouped_mm form, both checkpoint
-layouts, and the refusals.
+grouped experts (no expert without tokens runs, float or quantized), their grouped_mm
+form, both checkpoint layouts, GGUF files dequantized and kept quantized, and the refusals.
 """
 
 import json
@@ -86,9 +86,34 @@ def _dense_reference(experts: StackedExperts, x, ids, weights):
     return out
 
 
-def test_grouped_experts_run_only_the_experts_that_got_tokens_once_each(monkeypatch):
-    experts = _experts(num_experts=8, top_k=2)
-    x = torch.randn(6, 16)
+def _quantize_experts(experts: StackedExperts) -> StackedExperts:
+    """The experts as Linear modules holding their weights in Q8_0, run by the CPU backend's GGUF op."""
+    import gguf
+
+    from ember.hardware.cpu_gguf import GGUFLinearOp
+    from ember.plugins.quantizers.gguf import GGUFWeight
+
+    w13, w2, inter = experts.w13.data.clone(), experts.w2.data.clone(), experts.inter
+    experts.create_linears()
+    op = GGUFLinearOp()
+    for e in range(experts.num_experts):
+        for proj, weight in (("w1", w13[e, :inter]), ("w3", w13[e, inter:]), ("w2", w2[e])):
+            data = torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0))
+            linear, part = experts.expert_linear(e, proj)
+            linear.load_part(part, "weight", GGUFWeight([("Q8_0", data)], weight.shape[1]))
+        for linear in (experts.linears[e].gate_up_proj, experts.linears[e].down_proj):
+            linear.set_quantized_op(op)
+    return experts
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
+def test_grouped_experts_run_only_the_experts_that_got_tokens_once_each(monkeypatch, quantized):
+    hidden = 32 if quantized else 16  # Q8_0 rows are blocks of 32
+    experts = _experts(num_experts=8, top_k=2, hidden=hidden, inter=hidden)
+    if quantized:
+        experts = _quantize_experts(experts)
+        assert experts.w13 is None and all(m.gate_up_proj.qweights is not None for m in experts.linears)
+    x = torch.randn(6, hidden)
     # experts 1, 3 and 6 get tokens; the other five none
     ids = torch.tensor([[1, 3], [3, 1], [6, 1], [1, 6], [3, 6], [6, 3]])
     weights = torch.softmax(torch.randn(6, 2), -1)
@@ -100,7 +125,7 @@ def test_grouped_experts_run_only_the_experts_that_got_tokens_once_each(monkeypa
         return original(self, expert, rows)
 
     monkeypatch.setattr(StackedExperts, "run_expert", counting)
-    out = experts.forward(x, ids, weights, grouped_mm=False)
+    out = experts.forward(x, ids, weights, grouped_mm=None if quantized else False)
     assert calls == [(1, 4), (3, 4), (6, 4)]  # in expert order, each on exactly its rows
     torch.testing.assert_close(out, _dense_reference(experts, x, ids, weights), rtol=1e-5, atol=1e-5)
 
@@ -214,7 +239,11 @@ def test_parallelism_and_quantized_checkpoints_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"MixtralForCausalLM \(sparse MoE\) cannot run with tensor or pipeline"):
         MoeLlamaForCausalLM(hf.config, None, torch.float32, parallel=object())
     model = MoeLlamaForCausalLM(hf.config, None, torch.float32, device=torch.device("meta"))
-    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM \(sparse MoE\) .* quantized checkpoints"):
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM \(sparse MoE\) keeps its experts quantized "
+                                                  r"only from GGUF files: .* quant_method None"):
+        model.linear_parts()
+    hf.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(NotImplementedError, match="quant_method 'gptq' are not supported"):
         model.linear_parts()
 
 
@@ -274,10 +303,12 @@ def test_longrope_settings_that_do_not_fit_the_head_are_refused_naming_them():
 
 # -- GGUF ----------------------------------------------------------------------------
 
-def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True):
+def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True, qtype=None):
     """`model` as llama.cpp writes it: Mixtral as `llama` with experts (q/k permuted),
     Qwen3-MoE as `qwen3moe`; experts stacked (`ffn_gate_exps`, E x out x in) or, as older
-    files did, one tensor per expert (`ffn_gate.E`)."""
+    files did, one tensor per expert (`ffn_gate.E`). ``qtype`` (a gguf quant type): the
+    linears' and experts' weights in it, as llama.cpp quantizes (the router, norms and
+    token embedding float)."""
     import gguf
     import numpy as np
     from test_weights import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, gguf_name, llamacpp_permute, tiny_vocab
@@ -306,6 +337,14 @@ def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True):
     writer.add_eos_token_id(vocab.index("<|im_end|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
     experts: dict = {}
+
+    def add(name, data, quantize=True):
+        data = np.ascontiguousarray(data)
+        if qtype is not None and quantize:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+
     for name, tensor in model.state_dict().items():
         data = tensor.detach().float().numpy()
         if ".experts." in name:  # transformers 5 holds them stacked: gate_up_proj (E, 2I, H), down_proj (E, H, I)
@@ -322,13 +361,13 @@ def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True):
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+        add(gguf_name(name), data, quantize=data.ndim == 2 and "embed_tokens" not in name)
     for (layer, proj), data in experts.items():
         if stacked:
-            writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(data))
+            add(f"blk.{layer}.ffn_{proj}_exps.weight", data)
         else:
             for e, one in enumerate(data):
-                writer.add_tensor(f"blk.{layer}.ffn_{proj}.{e}.weight", np.ascontiguousarray(one))
+                add(f"blk.{layer}.ffn_{proj}.{e}.weight", one)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -363,12 +402,73 @@ def test_moe_gguf_converts_and_generates_as_transformers(tmp_path, kind, arch, s
     assert list(ours[0].outputs[0].token_ids) == theirs[0, len(prompt):].tolist()
 
 
-def test_moe_gguf_kept_quantized_is_refused_naming_the_architecture(tmp_path):
+def _greedy(directory, prompt, num_tokens=12):
+    from ember import LLM, SamplingParams
+
+    llm = LLM(model=str(directory), dtype="float32", num_kv_blocks=32, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    return llm, list(llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kind, arch, stacked", [("mixtral", "llama", True), ("mixtral", "llama", False),
+                                                 ("qwen3_moe", "qwen3moe", True)])
+def test_moe_gguf_kept_quantized_holds_each_expert_quantized_and_generates_as_the_float_one(
+        tmp_path, kind, arch, stacked):
+    """The default native path: each expert's gate/up/down keep their Q8_0 rows (split
+    from the stacked tensor by rows), run by the CPU backend's GGUF op, grouped by expert."""
+    import gguf
+    import torch.nn.functional as F
     from test_weights import tiny_vocab
 
+    from ember.weights import iter_safetensors
     from ember.weights.gguf_loader import convert_gguf_to_hf
+    from ember.weights.gguf_quants import QUANT_TYPES
 
-    model = make_tiny_model("qwen3_moe", tmp_path / "hf", vocab_size=len(tiny_vocab()), mlp_only_layers=[])
-    src = _write_moe_gguf(tmp_path / "tiny.gguf", model, "qwen3moe")
-    with pytest.raises(ValueError, match=r"sparse MoE \('qwen3moe' with 4 experts, Qwen3MoeForCausalLM\).*dequantized"):
-        convert_gguf_to_hf(src, tmp_path / "out", progress=False, keep_quantized=True)
+    extra = {"moe_intermediate_size": 64} if kind == "qwen3_moe" else {}  # Q8_0 rows: blocks of 32
+    model = make_tiny_model(kind, tmp_path / "hf", seed=4, vocab_size=len(tiny_vocab()), rms_norm_eps=1e-6,
+                            mlp_only_layers=[], **extra)
+    src = _write_moe_gguf(tmp_path / f"tiny-{kind}.gguf", model, arch, stacked=stacked,
+                          qtype=gguf.GGMLQuantizationType.Q8_0)
+    native = convert_gguf_to_hf(src, tmp_path / "native", progress=False, keep_quantized=True)
+    floats = convert_gguf_to_hf(src, tmp_path / "float", progress=False)
+    assert json.loads((native / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "gguf", "types": ["Q8_0"]}
+    stored, reference = dict(iter_safetensors(native)), dict(iter_safetensors(floats))
+    block, projs = ("block_sparse_moe", ("w1", "w3", "w2")) if kind == "mixtral" else (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
+    q8_0 = QUANT_TYPES["Q8_0"]
+    num_layers = model.config.num_hidden_layers
+    for layer in range(num_layers):
+        assert stored[f"model.layers.{layer}.{block}.gate.weight"].dtype == torch.float32  # the router
+        for expert in range(4):
+            for proj in projs:
+                name = f"model.layers.{layer}.{block}.experts.{expert}.{proj}"
+                assert stored[f"{name}.weight"].dtype == torch.uint8
+                assert stored[f"{name}.gguf_type"].tolist() == [q8_0.type_id]
+                # this expert's rows: their numbers are the float conversion's, bit for bit
+                assert torch.equal(q8_0.dequantize(stored[f"{name}.weight"]), reference[f"{name}.weight"]), name
+
+    prompt = [5, 17, 42, 7, 99, 3]
+    llm, tokens = _greedy(native, prompt)
+    _, expected = _greedy(floats, prompt)
+    agree = sum(a == b for a, b in zip(tokens, expected))
+    assert tokens[0] == expected[0] and agree >= len(expected) // 2, (tokens, expected)
+
+    ours = llm.engine.core.runner.model
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(33, model.config.hidden_size, generator=gen) * 2
+    for layer in range(num_layers):
+        experts = ours.layers[layer].mlp.experts
+        assert experts.w13 is None and len(experts.linears) == 4
+        for expert, mlp in enumerate(experts.linears):
+            name = f"model.layers.{layer}.{block}.experts.{expert}."
+            gate_up = torch.cat([reference[name + projs[0] + ".weight"], reference[name + projs[1] + ".weight"]])
+            down = reference[name + projs[2] + ".weight"]
+            h = torch.randn(33, down.shape[1], generator=gen)
+            for linear, weight, rows in ((mlp.gate_up_proj, gate_up, x), (mlp.down_proj, down, h)):
+                assert linear.weight is None and linear.qweights is not None
+                for num in (1, 2, 7, 33):  # the op's product on the dequantized weight, within its tolerance
+                    got, want = linear.forward(rows[:num]), F.linear(rows[:num], weight)
+                    bound = linear.qop.max_relative_error * want.abs().max().item()
+                    assert (got - want).abs().max().item() <= bound, (name, num)
+

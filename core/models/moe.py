@@ -18,7 +18,10 @@ and ``w2`` ``(E, hidden, I)``, and loaded from either checkpoint form: one tenso
 expert and projection (``experts.E.w1/w3/w2`` in Mixtral's, ``experts.E.gate_proj/
 up_proj/down_proj`` in Qwen3-MoE's; what transformers' ``save_pretrained`` writes) or
 stacked 3-D (``experts.gate_up_proj`` / ``experts.down_proj``, transformers 5's
-modules). Tensor and pipeline parallelism and quantized checkpoints are refused by
+modules). A GGUF file kept quantized (``quant_method`` ``"gguf"``) gives each expert
+its own :class:`~ember.models.layers.Linear` modules instead (gate_up and down, run by
+the backend's op for the format: ``StackedExperts.create_linears``), still grouped by
+expert. Tensor and pipeline parallelism and other quantized checkpoints are refused by
 name (docs/moe.md).
 
 Registered as a built-in plugin through Ember's own `ember` entry point (``moe``).
@@ -33,9 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.models.layers import Linear
+from ember.models.layers import Linear, SiluAndMul
 from ember.models.llama import LlamaForCausalLM
 from ember.plugin import hookimpl
+from ember.weights.gguf_loader import QUANT_METHOD as GGUF_QUANT_METHOD
 
 ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -49,6 +53,9 @@ _STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.expe
 # projection -> (stacked parameter, row block): gate rows first, then up rows
 _EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
                  "w2": ("w2", None), "down_proj": ("w2", None)}
+# projection -> (Linear of an ExpertMLP, part) where the experts are Linear modules
+_EXPERT_LINEARS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                   "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", 0), "down_proj": ("down_proj", 0)}
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,29 @@ def is_sparse_layer(cfg, index: int) -> bool:
     return index not in dense and (index + 1) % step == 0
 
 
+class ExpertMLP(nn.Module):
+    """One SwiGLU expert as Linear modules: ``gate_up_proj`` (parts [gate, up], as
+    LlamaMLP's) and ``down_proj``; (n, hidden) -> (n, hidden)."""
+
+    def __init__(self, hidden: int, inter: int, act: SiluAndMul, dtype, compute_dtype, device) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], False, dtype, compute_dtype, device)
+        self.down_proj = Linear(inter, [hidden], False, dtype, compute_dtype, device)
+        self.__dict__["act"] = act  # shared by a block's experts (not a submodule of each)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(rows)))
+
+
 class StackedExperts(nn.Module):
     """``E`` SwiGLU experts, their weights stacked: ``w13`` (E, 2I, hidden), ``w2`` (E, hidden, I),
-    stored in ``dtype``, multiplied in ``compute_dtype``."""
+    stored in ``dtype``, multiplied in ``compute_dtype``.
+
+    Or, after ``create_linears`` (a quantized checkpoint), ``linears``: one
+    :class:`ExpertMLP` per expert, whose Linear modules hold the expert's weights in
+    whatever form the loader gives them (quantized parts, run by the backend's op);
+    ``w13`` and ``w2`` are then None. Either way experts run grouped, one call of
+    ``run_expert`` per expert with tokens."""
 
     def __init__(self, spec: MoeSpec, hidden: int, dtype, compute_dtype, device) -> None:
         super().__init__()
@@ -103,9 +130,31 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden, self.inter, dtype=dtype, device=device),
                                requires_grad=False)
         self.compute_dtype = compute_dtype
+        self.linears = None
+
+    def create_linears(self) -> None:
+        """Hold each expert as an :class:`ExpertMLP` (its Linear modules, on the stacked
+        weights' device and dtype) in place of the stacked weights, which are freed.
+        Called before loading a quantized checkpoint; a second call does nothing."""
+        if self.linears is not None:
+            return
+        (_, _, hidden), dtype, device = self.w13.shape, self.w13.dtype, self.w13.device
+        del self.w13, self.w2
+        self.w13 = self.w2 = None
+        self.act = SiluAndMul()
+        self.linears = nn.ModuleList(ExpertMLP(hidden, self.inter, self.act, dtype, self.compute_dtype, device)
+                                     for _ in range(self.num_experts))
+
+    def expert_linear(self, expert: int, proj: str) -> tuple[Linear, int]:
+        """The Linear and part that hold projection ``proj`` (w1/w2/w3 or gate_proj/
+        up_proj/down_proj) of ``expert`` (after ``create_linears``)."""
+        attr, part = _EXPERT_LINEARS[proj]
+        return getattr(self.linears[expert], attr), part
 
     def run_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert ``expert`` on ``rows`` (n, hidden) -> (n, hidden)."""
+        if self.linears is not None:
+            return self.linears[expert].forward(rows)
         w13, w2 = self.w13[expert], self.w2[expert]
         if w13.dtype != self.compute_dtype:
             w13, w2 = w13.to(self.compute_dtype), w2.to(self.compute_dtype)
@@ -130,7 +179,8 @@ class StackedExperts(nn.Module):
         weights = topk_weights.reshape(-1)[order].unsqueeze(1)
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
         if grouped_mm is None:
-            grouped_mm = x.device.type != "cpu" and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+            grouped_mm = (self.linears is None and x.device.type != "cpu" and x.dtype == torch.bfloat16
+                          and hasattr(F, "grouped_mm"))
         out = torch.zeros(x.shape, dtype=weights.dtype if weights.dtype == torch.float32 else x.dtype,
                           device=x.device)
         if grouped_mm:
@@ -147,6 +197,8 @@ class StackedExperts(nn.Module):
         return out.to(x.dtype)
 
     def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.linears is not None:
+            raise ValueError("grouped_mm multiplies stacked float experts; these experts are Linear modules")
         w13, w2 = self.w13, self.w2
         if w13.dtype != self.compute_dtype:
             w13, w2 = w13.to(self.compute_dtype), w2.to(self.compute_dtype)
@@ -158,6 +210,13 @@ class StackedExperts(nn.Module):
         gate_proj/up_proj/down_proj); returns its key (``expected_keys``)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"tensor {name!r} names expert {expert}; the model has {self.num_experts}")
+        if self.linears is not None:  # a float expert weight in a quantized checkpoint
+            linear, part = self.expert_linear(expert, proj)
+            try:
+                linear.load_part(part, "weight", tensor)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
+            return f"linears.{expert}.{_EXPERT_LINEARS[proj][0]}.weight#{part}"
         param, block = _EXPERT_PARTS[proj]
         target = getattr(self, param).data[expert]
         if block is not None:
@@ -169,6 +228,13 @@ class StackedExperts(nn.Module):
 
     def load_stacked(self, proj: str, tensor: torch.Tensor, name: str) -> list[str]:
         """All experts' ``gate_up_proj`` (E, 2I, hidden) or ``down_proj`` (E, hidden, I) at once."""
+        if self.linears is not None:
+            if tensor.dim() != 3 or tensor.shape[0] != self.num_experts:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects "
+                                 f"{self.num_experts} stacked experts")
+            projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            return [self.load_expert(e, p, part, name) for e in range(self.num_experts)
+                    for p, part in zip(projs, tensor[e].chunk(len(projs)))]
         param = self.w13 if proj == "gate_up_proj" else self.w2
         if param.shape != tensor.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
@@ -176,6 +242,13 @@ class StackedExperts(nn.Module):
         return [key for key in self.expected_keys() if key.startswith("w13" if proj == "gate_up_proj" else "w2")]
 
     def expected_keys(self) -> list[str]:
+        """What loading must fill; as Linear modules, the parts of those still float
+        (a quantized one was filled when it got its first part, its missing parts are
+        named when its op is installed)."""
+        if self.linears is not None:
+            return [f"linears.{e}.{attr}.weight#{part}" for e, mlp in enumerate(self.linears)
+                    for attr in ("gate_up_proj", "down_proj") if not getattr(mlp, attr).is_quantized
+                    for part in range(len(getattr(mlp, attr).output_sizes))]
         return [f"w13#{e}.{b}" for e in range(self.num_experts) for b in (0, 1)] + [
             f"w2#{e}" for e in range(self.num_experts)]
 
@@ -251,14 +324,36 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoeBlock):
                 prefix = f"layers.{index}.mlp.experts."
-                expected -= {prefix + "w13", prefix + "w2"}
+                expected = {key for key in expected if not key.startswith(prefix)}
                 expected |= {prefix + key for key in layer.mlp.experts.expected_keys()}
         return expected
 
-    def linear_parts(self):
-        raise NotImplementedError(
-            f"{_arch(self.config)} (sparse MoE) keeps its experts in float: quantized checkpoints are not supported"
-        )
+    def linear_parts(self) -> dict[str, tuple[Linear, int]]:
+        """The Llama family's linears, less the routers (kept float), and each expert's
+        projections under both checkpoint spellings (``block_sparse_moe.experts.E.w1``,
+        ``mlp.experts.E.gate_proj``). The loader asks only for a quantized checkpoint:
+        the experts become Linear modules here (``StackedExperts.create_linears``).
+        Only GGUF files kept quantized are supported; other quantized checkpoints raise
+        NotImplementedError naming the architecture."""
+        config = getattr(self.config, "quantization_config", None)
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        if method != GGUF_QUANT_METHOD:
+            raise NotImplementedError(
+                f"{_arch(self.config)} (sparse MoE) keeps its experts quantized only from GGUF files: quantized "
+                f"checkpoints of quant_method {method!r} are not supported"
+            )
+        parts = {name: part for name, part in super().linear_parts().items() if ".experts." not in name}
+        for index, layer in enumerate(self.layers):
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                continue
+            parts.pop(f"model.layers.{index}.mlp.gate", None)
+            experts = layer.mlp.experts
+            experts.create_linears()
+            for expert in range(experts.num_experts):
+                for proj in _EXPERT_LINEARS:
+                    block = "block_sparse_moe" if proj in ("w1", "w2", "w3") else "mlp"
+                    parts[f"model.layers.{index}.{block}.experts.{expert}.{proj}"] = experts.expert_linear(expert, proj)
+        return parts
 
 
 def _arch(cfg) -> str:

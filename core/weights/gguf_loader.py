@@ -16,6 +16,10 @@ ever reads safetensors. Two forms:
   `token_embd` bytes, multiplied natively, and the token embedding reads its rows
   from that weight (`quantization_config["embedding"] = "lm_head"`: no float table
   is stored or kept); an untied model's own `token_embd` is stored dequantized.
+  A sparse MoE's experts (stacked `ffn_*_exps` or one tensor per expert) are split
+  by rows into one quantized linear per expert and projection, under the per-expert
+  Hugging Face names (`...experts.E.w1` for Mixtral, `...experts.E.gate_proj` for
+  Qwen3-MoE); the router stays float.
 
 Config and tokenizer come from the GGUF metadata through transformers' own GGUF
 support, which keeps them identical to what `from_pretrained(..., gguf_file=...)`
@@ -41,7 +45,8 @@ import torch
 
 from .errors import InvalidCheckpointError, UnsupportedArchitectureError
 from .gguf_names import (
-    IGNORED_TENSORS, expert_tensor_names, fused_parts, hf_tensor_name, rotary_heads, unpermute_rotary,
+    IGNORED_TENSORS, expert_tensor_names, fused_parts, hf_tensor_name, is_router, is_stacked_experts, rotary_heads,
+    unpermute_rotary,
 )
 from .gguf_quants import FLOAT_TYPES, QUANT_TYPES
 from .staging import publish_staging_dir, staging_dir
@@ -157,12 +162,6 @@ def convert_gguf_to_hf(
     num_experts = _read_int(reader, f"{arch_name}.expert_count")
     if num_experts and arch_name == "llama":
         arch = MIXTRAL
-    if num_experts and keep_quantized:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} is a sparse MoE ({arch_name!r} with {num_experts} experts, "
-            f"{arch.hf_class}): Ember does not keep MoE experts quantized yet; load it dequantized "
-            "(EMBER_GGUF_NATIVE=0)"
-        )
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     quantized_head = keep_quantized and not has_output and _is_quantized(reader, EMBEDDING)
     with _reading(gguf_path, "building the model config from its metadata"):
@@ -179,7 +178,8 @@ def convert_gguf_to_hf(
     if keep_quantized:
         for t in reader.tensors:  # an unsupported type is refused before any work
             _keeps_bytes(gguf_path, t, quantized_head)
-        types = sorted({t.tensor_type.name for t in reader.tensors if _is_quantized(reader, t.name)})
+        types = sorted({t.tensor_type.name for t in reader.tensors
+                        if _is_quantized(reader, t.name) and not is_router(t.name)})
         config.quantization_config = {"quant_method": QUANT_METHOD, "types": types}
         if quantized_head:
             config.quantization_config["embedding"] = EMBEDDING_SOURCE
@@ -198,6 +198,16 @@ def convert_gguf_to_hf(
             heads = rotary_heads(t.name, config.num_attention_heads, config.num_key_value_heads)
             permuted = arch.is_rotary_permuted and heads is not None
             experts = expert_tensor_names(t.name, num_experts, mixtral_names=arch is MIXTRAL) if num_experts else None
+            if experts is not None and keep_quantized and _keeps_bytes(gguf_path, t, quantized_head):
+                # stacked (E, out, in) values are (E * out, row bytes): each expert's rows in turn
+                with _reading(gguf_path, f"reading tensor {t.name!r}"):
+                    data = torch.from_numpy(np.array(t.data)).reshape(len(experts) * int(t.shape[1]), -1)
+                type_id = torch.tensor([int(t.tensor_type)], dtype=torch.int32)
+                for name, part in zip(experts, data.split(int(t.shape[1]))):
+                    linear = name.removesuffix(".weight")
+                    tensors[f"{linear}.weight"] = part.contiguous()
+                    tensors[f"{linear}.{TYPE_SUFFIX}"] = type_id.clone()
+                continue
             if experts is not None:  # stacked (E, out, in), or one expert's (out, in)
                 with _reading(gguf_path, f"reading tensor {t.name!r}"):
                     stacked = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
@@ -251,10 +261,12 @@ def _is_quantized(reader, name: str) -> bool:
 
 def _keeps_bytes(gguf_path: Path, tensor, quantized_head: bool) -> bool:
     """Whether a quantized conversion keeps this tensor's bytes: the 2-D weights of
-    linears (and `token_embd` as a tied LM head) in a quant type. ValueError naming the
-    tensor and its type for a linear weight in a type Ember does not run."""
+    linears (and `token_embd` as a tied LM head) and the 3-D stacked experts in a quant
+    type; a sparse block's router (`ffn_gate_inp`) is stored float. ValueError naming
+    the tensor and its type for a linear weight in a type Ember does not run."""
     type_name = tensor.tensor_type.name
-    if type_name in FLOAT_TYPES or len(tensor.shape) != 2:
+    dims = 3 if is_stacked_experts(tensor.name) else 2
+    if type_name in FLOAT_TYPES or len(tensor.shape) != dims or is_router(tensor.name):
         return False
     if tensor.name == EMBEDDING:
         return quantized_head

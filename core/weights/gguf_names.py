@@ -90,6 +90,16 @@ def expert_tensor_names(gguf_name: str, num_experts: int, mixtral_names: bool) -
     return [f"model.layers.{int(m['layer'])}.{block}.experts.{e}.{proj}.weight" for e in experts]
 
 
+def is_stacked_experts(gguf_name: str) -> bool:
+    """Whether a GGUF tensor holds all of a layer's experts stacked (`ffn_*_exps`)."""
+    return _STACKED_EXPERTS.fullmatch(gguf_name) is not None
+
+
+def is_router(gguf_name: str) -> bool:
+    """Whether a GGUF tensor is a sparse MoE block's router (`ffn_gate_inp`)."""
+    return gguf_name.endswith(".ffn_gate_inp.weight")
+
+
 def rotary_heads(gguf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
     """Heads over which llama.cpp permuted this tensor for its rope layout, or None if it did not.
 
