@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_weights import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, tiny_vocab
+from test_weights import add_tiny_tokenizer, tiny_vocab
 
 from ember import LLM, SamplingParams
 from ember.weights import convert_gguf_to_hf
@@ -76,16 +76,8 @@ def write_gguf(path: Path, model, arch: str, qtype=None) -> Path:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_sliding_window(cfg.sliding_window)
-    vocab = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(vocab)
-    writer.add_token_types([1] * (len(vocab) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(vocab.index("<|endoftext|>"))
-    writer.add_eos_token_id(vocab.index("<|im_end|>"))
-    writer.add_pad_token_id(vocab.index("<|endoftext|>"))  # Phi-3's config default (32000) lies outside
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_tiny_tokenizer(writer)
+    writer.add_pad_token_id(tiny_vocab().index("<|endoftext|>"))  # Phi-3's config default (32000) lies outside
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -311,7 +311,7 @@ def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True, qtype=None)
     token embedding float)."""
     import gguf
     import numpy as np
-    from test_weights import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, gguf_name, llamacpp_permute, tiny_vocab
+    from test_weights import add_tiny_tokenizer, gguf_name, llamacpp_permute
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -327,15 +327,7 @@ def _write_moe_gguf(path, model, arch: str, *, stacked: bool = True, qtype=None)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    vocab = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(vocab)
-    writer.add_token_types([1] * (len(vocab) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(vocab.index("<|endoftext|>"))
-    writer.add_eos_token_id(vocab.index("<|im_end|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_tiny_tokenizer(writer)
     experts: dict = {}
 
     def add(name, data, quantize=True):

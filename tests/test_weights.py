@@ -102,6 +102,19 @@ def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.nd
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_tiny_tokenizer(writer) -> None:
+    """The tiny byte-level BPE tokenizer (with a chat template) as GGUF metadata."""
+    vocab = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * (len(vocab) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(vocab.index("<|endoftext|>"))
+    writer.add_eos_token_id(vocab.index("<|im_end|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokenizer: bool = True) -> Path:
     """Write `model` as llama.cpp would: GGUF names, q/k permuted (llama only), 2-D weights in `qtype`."""
     cfg = model.config
@@ -121,15 +134,7 @@ def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokeni
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if tokenizer:
-        vocab = tiny_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(vocab)
-        writer.add_token_types([1] * (len(vocab) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS))
-        writer.add_token_merges(MERGES)
-        writer.add_bos_token_id(vocab.index("<|endoftext|>"))
-        writer.add_eos_token_id(vocab.index("<|im_end|>"))
-        writer.add_chat_template(CHAT_TEMPLATE)
+        add_tiny_tokenizer(writer)
     state = model.state_dict()
     for name, tensor in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
