@@ -4,14 +4,13 @@ products over a batch mixing adapters equal peft's LoRA layers. The engine integ
 
 import json
 
+import peft  # in the test extras
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
 from ember.models.lora import add_lora
 from ember.weights.peft import AdapterError, read_lora_adapter
-
-peft = pytest.importorskip("peft")  # in the test extras
 
 
 def _adapter(tmp_path, hf_model, name, *, r=8, alpha=16, targets=("q_proj", "v_proj"), seed=0, **extra):
