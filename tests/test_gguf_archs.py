@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_weights import add_tiny_tokenizer, tiny_vocab
+from test_weights import add_tiny_tokenizer, tiny_gguf_writer, tiny_vocab
 
 from ember import LLM, SamplingParams
 from ember.weights import convert_gguf_to_hf
@@ -60,18 +60,7 @@ def tiny(arch: str, seed: int = 0):
 
 def write_gguf(path: Path, model, arch: str, qtype=None) -> Path:
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
+    writer, head_dim = tiny_gguf_writer(path, cfg, arch)
     if arch == "gemma3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

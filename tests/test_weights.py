@@ -115,9 +115,8 @@ def add_tiny_tokenizer(writer) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokenizer: bool = True) -> Path:
-    """Write `model` as llama.cpp would: GGUF names, q/k permuted (llama only), 2-D weights in `qtype`."""
-    cfg = model.config
+def tiny_gguf_writer(path: Path, cfg, arch: str):
+    """A GGUF writer for ``arch`` with a tiny model's hyperparameters; returns it and the head size."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -130,6 +129,13 @@ def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokeni
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
+    return writer, head_dim
+
+
+def write_tiny_gguf(path: Path, model, *, arch: str = "llama", qtype=F32, tokenizer: bool = True) -> Path:
+    """Write `model` as llama.cpp would: GGUF names, q/k permuted (llama only), 2-D weights in `qtype`."""
+    cfg = model.config
+    writer, head_dim = tiny_gguf_writer(path, cfg, arch)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
