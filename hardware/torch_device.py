@@ -15,6 +15,7 @@ documents ``is_available``, ``device_count``, ``synchronize``,
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -222,6 +223,15 @@ class TorchDeviceBackend(BaseBackend):
 
         _log_choice(self.name, "Triton paged-attention kernels" + (f"; {flash_missing}" if flash_missing else ""))
         return TritonAttention()
+
+    def lora_op(self) -> Callable[..., None] | None:
+        """The Triton BGMV shrink/expand kernels (``ember.hardware.triton_lora``) where this
+        backend runs Triton; None on Gaudi (no Triton: PyTorch's products, ``ember.models.lora``)."""
+        if not self.uses_triton:
+            return None
+        from ember.hardware.triton_lora import lora_op
+
+        return lora_op
 
     def graph_capture(self):
         """CUDA graphs where the device module has them (``torch.cuda``: NVIDIA, and
