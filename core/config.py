@@ -48,6 +48,9 @@ class SchedulerConfig:
     # The step budget while no request decodes (prompts only): larger products run
     # faster per token and nobody waits between steps. None: max_num_batched_tokens.
     prefill_step_tokens: int | None = None
+    # adapters (LoRA) with requests running at once, at most (the model's adapter
+    # slots); None: adapters are off. A request of another adapter waits for a slot.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -145,6 +148,20 @@ class EngineConfig:
     # through transformers' modeling code with Ember's paged attention, "auto" native
     # where it exists, else the fallback
     model_impl: str = "auto"
+    # LoRA adapters (docs/lora.md, vLLM's flags): served when enable_lora is set or
+    # lora_modules names any (name -> a local directory or a Hub id, loaded at start);
+    # max_loras adapters in one step (their requests share it with the base model's),
+    # ranks up to max_lora_rank, max_cpu_loras adapters kept read in host memory (None:
+    # max_loras; the others are read again from their path when a request needs them)
+    enable_lora: bool = False
+    lora_modules: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules)
 
     def __post_init__(self) -> None:
         if not isinstance(self.processor_options, Mapping) or not all(
@@ -194,11 +211,40 @@ class EngineConfig:
         timeout = self.parallel_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        self._check_lora()
         if self.num_kv_tokens is not None:
             if self.num_kv_blocks is not None:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")
             if self.num_kv_tokens < 1:
                 raise ValueError(f"num_kv_tokens must be >= 1, got {self.num_kv_tokens}")
+
+
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        pairs = list(modules.items()) if isinstance(modules, Mapping) else [tuple(p) for p in modules or ()]
+        if any(len(p) != 2 or not all(isinstance(v, str) and v for v in p) for p in pairs):
+            raise ValueError(f"lora_modules must map adapter names to paths (or Hub ids), got {modules!r}")
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {sorted(n for n in names if names.count(n) > 1)}")
+        object.__setattr__(self, "lora_modules", tuple(pairs))
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if self.lora_enabled:
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError("LoRA adapters do not combine with tensor or pipeline parallelism yet: got "
+                                 f"tensor_parallel_size={self.tensor_parallel_size}, "
+                                 f"pipeline_parallel_size={self.pipeline_parallel_size} with LoRA enabled")
+            if self.model_impl == "transformers":
+                raise ValueError("LoRA adapters do not combine with model_impl 'transformers' (the transformers "
+                                 "fallback); use Ember's native architecture (model_impl 'auto' or 'ember')")
 
 
 def _backend_options(value: Any) -> tuple[tuple[str, str], ...]:

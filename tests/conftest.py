@@ -26,6 +26,9 @@ os.environ.setdefault("EMBER_GGUF_NATIVE", "0")
 # test points HF_ENDPOINT at its own server (tests/test_hub_download.py). Not HF_HUB_OFFLINE:
 # huggingface_hub's clients refuse every address under it, the server under test's too.
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+# Triton runs under its interpreter here (no GPU), as the Triton tests ask; set before anything
+# imports triton (peft does, through bitsandbytes), since triton reads it once.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @contextmanager

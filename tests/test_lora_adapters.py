@@ -1,6 +1,6 @@
-"""PEFT LoRA adapters (issue 32, first part): read as peft saves them, checked, and their
-products over a batch mixing adapters equal peft's LoRA layers. The engine integration
-(adapters per request, routes, slots) comes next."""
+"""PEFT LoRA adapters (issue 32): read as peft saves them, checked, and their products over
+a batch mixing adapters (slots of one ``Linear``, runs of tokens) equal peft's LoRA layers.
+The engine's use of them: tests/test_lora_engine.py."""
 
 import json
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from ember.models.lora import add_lora
+from ember.models.layers import Linear
+from ember.models.lora import attach_adapters
+from ember.plugin.adapter import AdapterWeights
 from ember.weights.peft import AdapterError, read_lora_adapter
 
 
@@ -32,14 +34,14 @@ def test_the_adapter_reads_as_peft_computes_it(tmp_path, base, r, extra):
     model, path = _adapter(tmp_path, base, "a1", r=r, **extra)
     adapter = read_lora_adapter("a1", path)
     layer = model.base_model.model.model.layers[1].self_attn.v_proj
-    module = adapter.modules["model.layers.1.self_attn.v_proj"]
+    module = adapter.updates["model.layers.1.self_attn.v_proj"]
     assert torch.equal(module.a, layer.lora_A["a1"].weight) and torch.equal(module.b, layer.lora_B["a1"].weight)
     assert module.scale == pytest.approx(layer.scaling["a1"])
-    assert set(adapter.modules) == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
+    assert set(adapter.updates) == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
     x = torch.randn(5, base.config.hidden_size)
     with torch.no_grad():
         want = layer(x)
-        got = add_lora(layer.base_layer(x), x, torch.zeros(5, dtype=torch.int64), [module])
+        got = module.apply(x, layer.base_layer(x), None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -47,19 +49,34 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_token_its_own(tmp_path,
     updates = []
     for i, r in enumerate((8, 16, 4)):
         _, path = _adapter(tmp_path, make_tiny_model("llama", tmp_path / f"b{i}", seed=1), f"x{i}", r=r, seed=i)
-        updates.append(read_lora_adapter(f"x{i}", path).modules["model.layers.0.self_attn.q_proj"])
+        updates.append(read_lora_adapter(f"x{i}", path).updates["model.layers.0.self_attn.q_proj"])
     weight = base.model.layers[0].self_attn.q_proj.weight.detach()
+    linear = Linear(weight.shape[1], [weight.shape[0]], False, torch.float32, torch.float32)
+    linear.weight.data.copy_(weight)
+
+    class OneLinear:  # what attach_adapters asks of a model: its linears by checkpoint name
+        def linear_parts(self):
+            return {"model.layers.0.self_attn.q_proj": (linear, 0)}
+
+    adapters = attach_adapters(OneLinear(), 3, 16, torch.float32)
+    for slot, update in enumerate(updates):
+        adapters.load(slot, AdapterWeights(f"x{slot}", "lora", "", {"model.layers.0.self_attn.q_proj": update}))
     x = torch.randn(9, weight.shape[1])
-    slots = torch.tensor([2, -1, 0, 1, 0, -1, 2, 1, 0])
-    got = add_lora(x @ weight.T, x, slots, updates)
+    slots = [2, -1, 0, 0, 1, 1, -1, 2, 0]
+    runs = [(2, 0, 1), (0, 2, 4), (1, 4, 6), (2, 7, 8), (0, 8, 9)]
+    adapters.set_step(runs, 9)
+    got = linear(x)
     for t in range(9):
         alone = x[t : t + 1] @ weight.T
         if slots[t] >= 0:
             u = updates[slots[t]]
             alone = alone + (x[t : t + 1] @ u.a.T) @ u.b.T * u.scale
         torch.testing.assert_close(got[t : t + 1], alone, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="slot 3, which holds no LoRA update"):
-        add_lora(x @ weight.T, x, torch.full((9,), 3), updates)
+    adapters.set_step([], 0)
+    torch.testing.assert_close(linear(x), x @ weight.T)
+    with pytest.raises(AdapterError, match="rank 16, above max_lora_rank 8"):
+        attach_adapters(OneLinear(), 1, 8, torch.float32).load(0, AdapterWeights("x1", "lora", "", {
+            "model.layers.0.self_attn.q_proj": updates[1]}))
 
 
 def test_what_ember_does_not_run_is_refused_by_name(tmp_path, base):

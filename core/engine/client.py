@@ -26,6 +26,29 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """One adapter the engine serves (``/v1/models`` lists it with the base model as parent)."""
+
+    name: str
+    path: str
+    kind: str = "lora"
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """The engine's adapter settings (None in `ModelInfo` when adapters are off) and the
+    modules an adapter may change (checkpoint name -> (in, out)), so that a front in
+    another process reads and checks an adapter before it sends it."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    targets: dict[str, tuple[int, int]]
+    adapters: tuple[AdapterInfo, ...] = ()  # those loaded at start (--lora-modules)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """Facts about the served model and the engine built around it; none changes while it runs."""
 
@@ -47,6 +70,7 @@ class ModelInfo:
     is_prefix_caching: bool
     block_size: int  # tokens per KV block
     num_kv_blocks: int
+    lora: LoRAInfo | None = None  # adapters (docs/lora.md); None when off
 
     @property
     def num_kv_cache_tokens(self) -> int:
@@ -72,6 +96,9 @@ class EngineStats:
     num_grammar_compile_timeouts: int = 0
     # speculative decoding (ember.engine.speculative.SpeculationStats.to_dict()), None when off
     speculation: dict | None = None
+    # adapters with requests running / waiting now, by name (vLLM's lora_requests_info)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -172,6 +199,26 @@ class EngineClient(ABC):
     @abstractmethod
     def chat_template(self) -> str | None:
         """The model's chat template source (its tool-call syntax picks the parser), or None."""
+
+    # -- adapters (LoRA) --------------------------------------------------------------
+    def adapters(self) -> dict[str, AdapterInfo]:
+        """The adapters served now, by name (empty when adapters are off)."""
+        return {}
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Read and check the adapter at ``path`` (a directory or a Hub id) and serve it
+        as ``name``; blocking (reads files: call it off the event loop). `AdapterError`
+        (a ValueError) naming the problem; adapters off: an `AdapterError` too."""
+        from ember.plugin.adapter import AdapterError
+
+        raise AdapterError("LoRA adapters are off (start with --enable-lora or --lora-modules NAME=PATH)")
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop taking requests of ``name`` (those running finish); `UnknownAdapterError`
+        if it is not served."""
+        from ember.plugin.adapter import UnknownAdapterError
+
+        raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded adapters: none")
 
     # -- facts and counts ------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ember.config import EngineConfig, SchedulerConfig
+from ember.engine.adapters import AdapterEntry, AdapterRegistry, create_adapters
 from ember.engine.client import EngineStats, ModelInfo
 from ember.engine.grammar_manager import GrammarManager
 from ember.engine.output_processor import EngineCoreOutput
@@ -28,6 +29,7 @@ from ember.models.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_
 from ember.outputs import RequestMetrics
 from ember.parallel import ParallelExecutor, start_parallel
 from ember.plugin import create_plugin_manager
+from ember.plugin.adapter import AdapterError, AdapterWeights
 from ember.plugin.backend import select_backend
 from ember.plugin.grammar import BaseCompiledGrammar, GrammarContext
 from ember.plugin.logits_processor import LogitsProcessorContext
@@ -40,14 +42,17 @@ from ember.sched.request import Request, RequestStatus
 from ember.sched.scheduler import Scheduler, record_step
 from ember.sched.step import SchedulerOutput, StepStats
 from ember.weights import resolve_model
-from ember.worker.graphs import default_graph_sizes
+from ember.worker.graphs import capture_decode_graphs
 from ember.worker.kv_sizing import (
     check_kv_cache,
+    explicit_num_blocks,
+    step_token_budgets,
     kv_cache_spec_from_config,
     profile_kv_budget,
     resolve_block_size,
     resolve_max_model_len,
 )
+from ember.worker.adapter_slots import AdapterSlots
 from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.model_runner import ModelRunner
 
@@ -63,6 +68,8 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    adapter: str | None = None  # the adapter (LoRA) it runs under, by name; None: the base model
+    adapter_id: int = 0  # set by the core from ``adapter`` (ember.engine.adapters)
 
 
 @dataclass(slots=True)
@@ -117,16 +124,8 @@ class EngineCore:
         block_size = resolve_block_size(config.block_size, attention)
         # An explicit budget sizes the pool before the weights are read, so that one
         # too small is refused in seconds, not after loading.
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None and config.num_kv_tokens is not None:
-            num_blocks = -(-config.num_kv_tokens // block_size)
-        if num_blocks is not None:
-            check_kv_cache(num_blocks, block_size, config, self.max_model_len)
-        elif config.kv_cache_memory_bytes is not None:
-            spec = kv_cache_spec_from_config(self.hf_config, self.backend, self.dtype, attention, architectures)
-            budget = config.kv_cache_memory_bytes
-            num_blocks = budget // (spec.bytes_per_token(self.kv_dtype) * block_size)
-            check_kv_cache(num_blocks, block_size, config, self.max_model_len, spec.bytes_per_token(self.kv_dtype), budget)
+        num_blocks = explicit_num_blocks(config, block_size, self.max_model_len, lambda: kv_cache_spec_from_config(
+            self.hf_config, self.backend, self.dtype, attention, architectures).bytes_per_token(self.kv_dtype))
         # Tensor/pipeline parallelism (ember.parallel): this process is rank 0, the driver
         self.parallel: ParallelExecutor | None = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
@@ -137,18 +136,13 @@ class EngineCore:
         else:
             self.model = load_model(self.model_dir, self.hf_config, self.backend, attention, self.dtype, architectures,
                                     quantizer, config.dequantize, config.model_impl)
+        # LoRA adapters (docs/lora.md): slots in the model's linears before the KV cache is
+        # sized (they take memory), the registry of adapters by name; (None, None) when off
+        self.adapters, adapter_model = create_adapters(config, self.model, self.backend,
+                                                       self.plugin_manager.registries.adapter_kinds)
 
         max_model_len = self.max_model_len
-        prefill_batched = None  # the budget of a step with no decode: the same
-        if config.max_num_batched_tokens is not None:
-            max_batched = config.max_num_batched_tokens
-        elif config.enable_chunked_prefill:
-            # at least one decode token for every running request fits a step
-            max_batched = max(self.backend.default_step_tokens, config.max_num_seqs)
-            prefill_tokens = self.backend.prefill_step_tokens(self.hf_config, self.backend.compute_dtype(self.dtype))
-            prefill_batched = max(max_batched, prefill_tokens or 0)
-        else:
-            max_batched = max(8192, max_model_len)
+        max_batched, prefill_batched = step_token_budgets(config, self.backend, self.hf_config, self.dtype, max_model_len)
 
         bytes_per_token = self.model.kv_cache_spec.bytes_per_token(self.kv_dtype)
         if num_blocks is None and self.parallel is not None:  # each rank profiles its shard; the smallest pool wins
@@ -172,6 +166,7 @@ class EngineCore:
             SchedulerConfig(
                 config.max_num_seqs, max_batched, max_model_len, config.enable_chunked_prefill,
                 prefill_context_scale(self.hf_config), prefill_batched,
+                config.max_loras if config.lora_enabled else None,
             ),
             self.kv_manager,
         )
@@ -190,12 +185,14 @@ class EngineCore:
                 self.logits_pipeline, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                 vocab_size=self.hf_config.vocab_size,
             )
-        self.graph_capture_seconds = self._capture_graphs(config, attention)
-        # The step's slots for the plugin kinds built on it (ember.sched.step): the
-        # speculative decoder (config.speculative_config, ember.plugin.speculator) proposes
-        # draft tokens per decoding request; a token masker gives allowed-token masks
-        # (tests set fakes). Grammar backends fill the mask slot through the grammar
-        # manager (constrained requests only).
+        if adapter_model is not None:
+            self.runner.adapter_slots = AdapterSlots(adapter_model, self.adapters.weights, self.backend.device)
+        self.graph_capture_seconds = (None if self.parallel is not None  # the seconds, None without graphs
+                                      else capture_decode_graphs(self.runner, self.backend, attention, config))
+        # The step's slots for the plugin kinds built on it (ember.sched.step): the speculative
+        # decoder (config.speculative_config, ember.plugin.speculator) proposes draft tokens per
+        # decoding request; a token masker gives allowed-token masks (tests set fakes). Grammar
+        # backends fill the mask slot through the grammar manager (constrained requests only).
         self.speculator: SpeculativeDecoder | None = None
         if config.speculative_config is not None:
             self.speculator = create_speculator(
@@ -215,35 +212,13 @@ class EngineCore:
         )
         self._pending_groups: dict[str, _PendingGroup] = {}
         self.last_step_stats: StepStats | None = None
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
-            num_blocks, block_size, num_blocks * block_size,
-            num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype,
-        )
-        # Everything alive now (the model's modules, the tokenizer's tables, imports)
-        # lives as long as the engine: keep it out of the garbage collector's scans,
-        # which otherwise walk it on every full collection during the steps (as vLLM's
-        # engine core does after start-up).
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, block_size,
+                    num_blocks * block_size, num_blocks * block_size * bytes_per_token / 2**20, self.kv_dtype)
+        # Everything alive now (the model's modules, the tokenizer's tables, imports) lives as long as
+        # the engine: keep it out of the garbage collector's scans, which otherwise walk it on every
+        # full collection during the steps (as vLLM's engine core does after start-up).
         gc.collect()
         gc.freeze()
-
-    def _capture_graphs(self, config: EngineConfig, attention) -> float | None:
-        """Capture decode steps in device graphs where the backend has them and the
-        attention has a static form (``ember.worker.graphs``); the seconds it took, or None."""
-        if config.enforce_eager or config.graph_sizes == () or self.parallel is not None:
-            return None
-        capture = self.backend.graph_capture()
-        if capture is None:
-            return None
-        if not attention.supports_graphs:
-            logger.info("device graphs: off (the %s attention has no static form); decode steps run eagerly",
-                        attention.name)
-            return None
-        sizes = config.graph_sizes or [
-            s for s in self.backend.graph_batch_sizes or default_graph_sizes(config.max_num_seqs)
-            if s <= config.max_num_seqs
-        ]
-        return self.runner.capture_graphs(capture, sizes).capture_seconds
 
     def close(self) -> None:
         """Stop the parallel workers, if any (idempotent; a single-process core holds nothing)."""
@@ -276,6 +251,7 @@ class EngineCore:
             is_prefix_caching=kv.enable_prefix_caching,
             block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks,
+            lora=None if self.adapters is None else self.adapters.info(self.config.max_loras),
         )
 
     def stats(self) -> EngineStats:
@@ -294,6 +270,8 @@ class EngineCore:
             num_grammar_compile_errors=self.grammar.num_compile_errors,
             num_grammar_compile_timeouts=self.grammar.num_compile_timeouts,
             speculation=self.speculator.stats.to_dict() if self.speculator is not None else None,
+            running_adapters=self.adapters.names_of(r.adapter_id for r in self.scheduler.running) if self.adapters else (),
+            waiting_adapters=self.adapters.names_of(r.adapter_id for r in self.scheduler.waiting) if self.adapters else (),
         )
 
     # -- requests -------------------------------------------------------------
@@ -304,6 +282,8 @@ class EngineCore:
         rid = request.request_id
         if rid in self.scheduler.requests or rid in self._pending_groups or rid in self.grammar.waiting:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.adapter is not None:
+            request = replace(request, adapter_id=self._adapters_on(request.adapter).resolve(request.adapter))
         if request.params.constraint is not None:
             self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params))
             self.grammar.submit(rid, request.params, request)
@@ -312,10 +292,11 @@ class EngineCore:
 
     def _admit(self, request: EngineCoreRequest, grammar: BaseCompiledGrammar | None = None) -> None:
         if request.params.num_samples == 1:
-            self._add(request.request_id, request.prompt_token_ids, request.params, request.priority, grammar)
+            self._add(request.request_id, request.prompt_token_ids, request.params, request.priority, grammar,
+                      request.adapter_id)
             return
         self._add(child_id(request.request_id, 0), request.prompt_token_ids, child_params(request.params, 0),
-                  request.priority, grammar)
+                  request.priority, grammar, request.adapter_id)
         group = _PendingGroup(request, len(request.prompt_token_ids), grammar)
         if self.kv_manager.enable_prefix_caching:
             self._pending_groups[request.request_id] = group
@@ -324,7 +305,7 @@ class EngineCore:
 
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-        grammar: BaseCompiledGrammar | None = None,
+        grammar: BaseCompiledGrammar | None = None, adapter_id: int = 0,
     ) -> None:
         self.scheduler.add_request(Request(
             request_id=request_id,
@@ -332,6 +313,7 @@ class EngineCore:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            adapter_id=adapter_id,
         ))
         if grammar is not None:
             self.grammar.add_matcher(request_id, grammar)
@@ -341,7 +323,7 @@ class EngineCore:
         for index in range(1, r.params.num_samples):
             self._add(
                 child_id(r.request_id, index), r.prompt_token_ids, child_params(r.params, index), r.priority,
-                group.grammar,
+                group.grammar, r.adapter_id,
             )
 
     def _admit_ready_siblings(self) -> None:
@@ -379,6 +361,30 @@ class EngineCore:
     def abort_all(self) -> int:
         ids = list(self._pending_groups) + list(self.scheduler.requests) + self.grammar.waiting_ids()
         return self.abort_requests(ids)
+
+    # -- adapters ---------------------------------------------------------------
+    def add_adapter(self, name: str, path: str, weights: AdapterWeights | None = None) -> AdapterEntry:
+        """Serve adapter ``name`` from now on (read from ``path`` unless ``weights`` were read
+        and checked by the caller); `AdapterError` if it cannot be, or adapters are off."""
+        return self._adapters_on(name).add(name, path, weights)
+
+    def remove_adapter(self, name: str) -> None:
+        """Refuse new requests of ``name`` at once; it is dropped (its slot freed) once the
+        requests using it have finished. `UnknownAdapterError` if it is not loaded."""
+        self._adapters_on(name).unload(name)
+        self._drop_unloaded_adapters()
+
+    def _adapters_on(self, name: str) -> AdapterRegistry:
+        if self.adapters is None:
+            raise AdapterError(f"adapter {name!r}: LoRA adapters are off (start with --enable-lora or --lora-modules)")
+        return self.adapters
+
+    def _drop_unloaded_adapters(self) -> None:
+        in_use = {r.adapter_id for r in self.scheduler.requests.values()}
+        in_use.update(g.request.adapter_id for g in self._pending_groups.values())
+        in_use.update(getattr(w.item, "adapter_id", 0) for w in self.grammar.waiting.values())
+        for adapter_id in self.adapters.drop_unused(in_use):
+            self.runner.adapter_slots.forget(adapter_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_groups) or bool(self.grammar.waiting)
@@ -423,6 +429,8 @@ class EngineCore:
                 self._notify_finished(request)
         if self._pending_groups:
             self._admit_ready_siblings()
+        if self.adapters is not None and len(self.adapters.entries) > len(self.adapters.names()):
+            self._drop_unloaded_adapters()  # an unloading adapter whose last request just ended
         return EngineCoreOutputs(outputs, self.last_step_stats, self.stats() if with_stats else None)
 
     @staticmethod

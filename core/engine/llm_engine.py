@@ -72,6 +72,7 @@ class LLMEngine:
         *,
         validated: bool = False,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        adapter: str | None = None,
     ) -> str:
         """Queue a request; it joins the running batch at the next step.
 
@@ -79,6 +80,7 @@ class LLMEngine:
         are first come, first served. Raises ValueError as :meth:`validate_request`
         does, and for a priority that is not an integer. ``validated``: the caller
         already validated exactly these ids and params, so it is not done twice.
+        ``adapter``: the name of a loaded adapter (LoRA) to run under (`add_adapter`).
         """
         check_priority(priority)  # before any state: a group would be half-registered
         if not validated:
@@ -86,7 +88,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority))
+        self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority, adapter))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         return request_id
 

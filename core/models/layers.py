@@ -23,6 +23,9 @@ class Linear(nn.Module):
     """
 
     linear_op = staticmethod(F.linear)
+    # the adapter slots of this linear (ember.models.lora.LinearAdapters) when the engine
+    # serves adapters: their products are added to the output for the step's adapter tokens
+    adapters = None
 
     def __init__(
         self,
@@ -124,15 +127,20 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweights is not None:
             if len(self.qweights) == 1:
-                return self.qop(x, self.qweights[0], self.bias)
-            out = torch.cat([self.qop(x, w) for w in self.qweights], dim=-1)
-            return out + self.bias if self.bias is not None else out
-        w = self.weight
-        b = self.bias
-        if w.dtype != self.compute_dtype:
-            w = w.to(self.compute_dtype)
-            b = b.to(self.compute_dtype) if b is not None else None
-        return self.linear_op(x, w, b)
+                out = self.qop(x, self.qweights[0], self.bias)
+            else:
+                out = torch.cat([self.qop(x, w) for w in self.qweights], dim=-1)
+                if self.bias is not None:
+                    out = out + self.bias
+        else:
+            w = self.weight
+            b = self.bias
+            if w.dtype != self.compute_dtype:
+                w = w.to(self.compute_dtype)
+                b = b.to(self.compute_dtype) if b is not None else None
+            out = self.linear_op(x, w, b)
+        adapters = self.adapters
+        return out if adapters is None else adapters.apply(x, out)
 
 
 class FusableOp(nn.Module):

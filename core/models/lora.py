@@ -1,44 +1,218 @@
-"""LoRA products for a flat batch whose tokens belong to different adapters (or none).
+"""Adapters inside the model: per-linear slot stacks and the batched products of a step.
 
-``add_lora(y, x, slots, updates)`` adds ``scale * B (A x)`` of each token's adapter to the
-base output ``y``: tokens are grouped by adapter slot (one sort, as Punica's SGMV and
-vLLM's LoRA layers group them) and each slot that has tokens runs two small matrix
-products on its rows; tokens of slot -1 (the base model) are untouched. This is the
-CPU form; the engine integration (slots per request, a slot table per step) builds on it.
+`attach_adapters(model, max_slots, max_rank)` gives every adaptable ``Linear`` of a model
+(its projections; not the LM head, nor MoE experts) a `LinearAdapters`: for each of
+``max_slots`` adapter slots a stacked low-rank pair, ``a`` (slots * stride, in) and
+``bt`` (slots * stride, out), where a slot's ``stride = parts * max_rank`` rows hold one
+block per part of a fused projection (qkv, gate/up: each part's ``A`` in its block of
+``a``, its ``B`` (scale folded in) in its block's rows of ``bt`` at that part's output
+columns, zeros elsewhere), so one product per slot serves the fused module. Updates that
+are not low-rank are kept per slot and applied as they are.
+
+A step (`AdapterStep`, set by the runner) is the flat batch's runs of tokens of one slot,
+the requests grouped by adapter by the scheduler: for each run the CPU path adds
+``(x[run] @ a_s.T) @ bt_s`` to ``y[run]`` in place (two products; Punica's SGMV by
+segments), and a run covering every token multiplies the whole batch without a slice. A
+backend with a ``lora_op`` (the Triton kernel of the device backends) gets the per-token
+slot tensor instead and does all slots in one launch. Tokens of the base model (slot -1)
+are untouched.
+
+The built-in adapter kind, LoRA (PEFT's ``LORA``: ``ember.weights.peft``), is registered
+here through Ember's own ``ember`` entry point.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from ember.weights.peft import LoRAModule
+from ember.models.layers import Linear
+from ember.plugin import hookimpl
+from ember.plugin.adapter import AdapterError, AdapterUpdate, AdapterWeights, BaseAdapterKind
+from ember.weights.peft import WEIGHTS_FILE, read_lora_adapter
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
-             updates: Sequence[LoRAModule | None]) -> torch.Tensor:
-    """``y`` (T, out) += for each token t with ``slots[t] = s >= 0``: ``updates[s].scale *
-    B_s (A_s x_t)`` (computed in float32, added in y's dtype); ``x`` (T, in). In place;
-    returns ``y``. ValueError for a slot without an update or shapes that do not fit."""
-    if slots.shape != (x.shape[0],) or y.shape[0] != x.shape[0]:
-        raise ValueError(f"add_lora: {x.shape[0]} tokens, slots {tuple(slots.shape)}, output {tuple(y.shape)}")
-    order = torch.argsort(slots, stable=True)
-    sorted_slots = slots[order]
-    counts = torch.bincount(sorted_slots + 1, minlength=len(updates) + 1).tolist()  # slot -1 first
-    start = counts[0]  # the base model's tokens
-    for slot, count in enumerate(counts[1:]):
-        if count == 0:
-            continue
-        update = updates[slot] if slot < len(updates) else None
-        if update is None:
-            raise ValueError(f"add_lora: {count} token(s) name slot {slot}, which holds no LoRA update")
-        rows = order[start : start + count]
-        start += count
-        a, b = update.a, update.b
-        if a.shape[1] != x.shape[1] or b.shape[0] != y.shape[1]:
-            raise ValueError(f"add_lora: slot {slot}'s A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
-                             f"x {tuple(x.shape)} -> y {tuple(y.shape)}")
-        delta = (x[rows].float() @ a.T) @ b.T * update.scale
-        y.index_add_(0, rows, delta.to(y.dtype))
-    return y
+@dataclass(slots=True)
+class AdapterStep:
+    """One step's tokens by slot: ``runs`` are ``(slot, start, end)`` of the flat batch
+    (slot >= 0 only; the base model's tokens are in none), ``num_tokens`` the batch's
+    size, ``token_slots`` the per-token slot tensor (-1: base) for a backend's op."""
+
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    num_tokens: int = 0
+    token_slots: torch.Tensor | None = None
+
+
+class LinearAdapters:
+    """One ``Linear``'s adapter slots (module docstring). ``step`` is shared by every
+    layer of the model and replaced by the runner each step."""
+
+    def __init__(self, linear: Linear, owner: AdapterModel, max_slots: int, max_rank: int, dtype, device) -> None:
+        self.linear = linear
+        self.owner = owner
+        self.parts = len(linear.output_sizes)
+        self.stride = self.parts * max_rank
+        self.max_rank = max_rank
+        out = sum(linear.output_sizes)
+        self.a = torch.zeros(max_slots * self.stride, linear.in_features, dtype=dtype, device=device)
+        self.bt = torch.zeros(max_slots * self.stride, out, dtype=dtype, device=device)
+        self.low_rank = [False] * max_slots  # slot holds a low-rank update here
+        self.other: list[list[AdapterUpdate | None] | None] = [None] * max_slots  # per slot, per part
+
+    def load(self, slot: int, parts: Sequence[AdapterUpdate | None]) -> None:
+        """Fill ``slot`` with the updates of each part (None: that part unchanged)."""
+        s = slice(slot * self.stride, (slot + 1) * self.stride)
+        self.a[s].zero_()
+        self.bt[s].zero_()
+        self.low_rank[slot] = False
+        self.other[slot] = None
+        others: list[AdapterUpdate | None] = [None] * self.parts
+        col = 0
+        for index, (size, update) in enumerate(zip(self.linear.output_sizes, parts)):
+            if update is not None:
+                factors = update.low_rank()
+                if factors is None:
+                    others[index] = update
+                else:
+                    a, b = factors
+                    rank = a.shape[0]
+                    row = slot * self.stride + index * self.max_rank
+                    self.a[row : row + rank] = a.to(self.a.dtype)
+                    self.bt[row : row + rank, col : col + size] = b.T.to(self.bt.dtype)
+                    self.low_rank[slot] = True
+            col += size
+        if any(u is not None for u in others):
+            self.other[slot] = others
+
+    def clear(self, slot: int) -> None:
+        self.load(slot, [None] * self.parts)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the step's updates to ``y`` (the linear's output for input ``x``), in place where it can."""
+        step = self.owner.step
+        if not step.runs:
+            return y
+        op = self.owner.op
+        stride = self.stride
+        if op is not None:
+            op(y, x, self.a, self.bt, step.token_slots, stride)
+        everyone = len(step.runs) == 1 and step.runs[0][1] == 0 and step.runs[0][2] == step.num_tokens
+        for slot, start, end in step.runs:
+            xs, ys = (x, y) if everyone else (x[start:end], y[start:end])
+            if op is None and self.low_rank[slot]:
+                s = slice(slot * stride, (slot + 1) * stride)
+                ys.addmm_(F.linear(xs, self.a[s]), self.bt[s])
+            others = self.other[slot]
+            if others is not None:
+                col = 0
+                for size, update in zip(self.linear.output_sizes, others):
+                    if update is not None:
+                        ys[:, col : col + size] = update.apply(xs, ys[:, col : col + size], self.linear)
+                    col += size
+        return y
+
+
+class AdapterModel:
+    """A model's adaptable linears (by checkpoint name: ``(LinearAdapters, part)``), the
+    step's runs, and the backend's batched op."""
+
+    def __init__(self, model, max_slots: int, max_rank: int, dtype: torch.dtype, device, op=None) -> None:
+        if max_slots < 1 or max_rank < 1:
+            raise ValueError(f"max_loras ({max_slots}) and max_lora_rank ({max_rank}) must be >= 1")
+        try:
+            parts = model.linear_parts()
+        except NotImplementedError as exc:
+            raise ValueError(f"LoRA adapters: {type(model).__name__} has no named linear layers to adapt") from exc
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        self.op = op
+        self.step = AdapterStep()
+        self.layers: dict[int, LinearAdapters] = {}  # id(linear) -> its slots
+        self.targets: dict[str, tuple[LinearAdapters, int]] = {}
+        for name, (linear, index) in parts.items():
+            if name == "lm_head" or ".experts." in name:
+                continue  # the head runs over sampled rows only; experts are not Linear rows of the batch
+            layer = self.layers.get(id(linear))
+            if layer is None:
+                layer = self.layers[id(linear)] = LinearAdapters(linear, self, max_slots, max_rank, dtype, device)
+                linear.adapters = layer
+            self.targets[name] = (layer, index)
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Each adaptable module's checkpoint name -> (in_features, out_features)."""
+        return {name: (layer.linear.in_features, layer.linear.output_sizes[index])
+                for name, (layer, index) in self.targets.items()}
+
+    def load(self, slot: int, adapter: AdapterWeights) -> None:
+        """Put ``adapter`` in ``slot`` (every layer: its updates, zeros elsewhere)."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"adapter slot {slot} is not in 0..{self.max_slots - 1}")
+        per_layer: dict[int, list[AdapterUpdate | None]] = {key: [None] * layer.parts
+                                                            for key, layer in self.layers.items()}
+        for name, update in adapter.updates.items():
+            target = self.targets.get(name)
+            if target is None:
+                raise AdapterError(f"adapter {adapter.name!r}: targets module {name!r}, which this model cannot adapt")
+            layer, index = target
+            if update.rank > self.max_rank:
+                raise AdapterError(f"adapter {adapter.name!r}: module {name!r} has rank {update.rank}, above "
+                                   f"max_lora_rank {self.max_rank}")
+            per_layer[id(layer.linear)][index] = update
+        for key, layer in self.layers.items():
+            layer.load(slot, per_layer[key])
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+
+    def set_step(self, runs: list[tuple[int, int, int]], num_tokens: int, device=None) -> None:
+        """The next forward's runs of adapter tokens (``(slot, start, end)``, slots >= 0)."""
+        token_slots = None
+        if runs and self.op is not None:
+            slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+            for slot, start, end in runs:
+                slots[start:end] = slot
+            token_slots = slots.to(device) if device is not None else slots
+        self.step = AdapterStep(runs, num_tokens, token_slots)
+
+
+def attach_adapters(model, max_slots: int, max_rank: int, dtype: torch.dtype, device=None, op=None) -> AdapterModel:
+    """Give ``model``'s adaptable linears ``max_slots`` adapter slots of rank up to ``max_rank``."""
+    return AdapterModel(model, max_slots, max_rank, dtype, device, op)
+
+
+# -- the built-in kind -------------------------------------------------------------------------------------------
+class LoRAKind(BaseAdapterKind):
+    """PEFT's LoRA (and rsLoRA, per-module ranks and alphas): ``ember.weights.peft``."""
+
+    name = "lora"
+    peft_types = ("LORA",)
+
+    def read(self, name: str, path: Path, config: dict, *, max_rank: int | None = None) -> AdapterWeights:
+        return read_lora_adapter(name, path, max_rank=max_rank, config=config)
+
+    def write_example(self, path: Path, modules: Mapping[str, tuple[int, int]], *, rank: int, seed: int) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for module, (fan_in, fan_out) in modules.items():
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * rank**-0.5
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / WEIGHTS_FILE))
+        short = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": short, "bias": "none"}))
+
+
+@hookimpl
+def ember_register_adapter_kinds(registry) -> None:
+    registry.register(LoRAKind.name, LoRAKind)

@@ -15,6 +15,7 @@ registry per kind. Module map:
     grammar_vocab      a tokenizer's tokens as bytes, for grammar backends
     tool_parser        BaseToolParser
     logits_processor   BaseLogitsProcessor, SamplingRow, LogitsProcessorContext
+    adapter            BaseAdapterKind, AdapterUpdate, AdapterWeights: adapters served beside the model (LoRA)
 Model architectures follow ``ember.models.base``; ``ember.testing`` checks each kind.
 """
 

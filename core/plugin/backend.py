@@ -274,6 +274,21 @@ class BaseBackend(ABC):
         to float rounding (the conformance check compares them)."""
         return F.linear
 
+    def lora_op(self) -> Callable[..., None] | None:
+        """A batched LoRA product for the adapter slots of one step, or None (the
+        default: PyTorch's matrix products per run of tokens of one adapter,
+        ``ember.models.lora``). ``op(y, x, a, bt, token_slots, rank)`` adds in place,
+        for every token ``t`` whose ``s = token_slots[t]`` is not -1::
+
+            y[t] += (x[t] @ a[s * rank : (s + 1) * rank].T) @ bt[s * rank : (s + 1) * rank]
+
+        ``y`` (T, out) and ``x`` (T, in) in the compute dtype, ``a`` (slots * rank, in)
+        and ``bt`` (slots * rank, out) in the compute dtype (the scale is folded into
+        ``bt``; unused ranks are zero rows), ``token_slots`` (T,) int64 on the device.
+        It must agree with those products to float rounding (Punica's BGMV, vLLM's
+        LoRA shrink/expand kernels)."""
+        return None
+
     def quantized_linear_op(self, format: str, compute_dtype: torch.dtype):
         """The op (``ember.plugin.quantizer.QuantizedLinearOp``) that multiplies by weights of
         ``format`` (``QuantizedWeight.format``: ``"int8"``, ``"int4"``, ``"gguf_q4_1"``, ...)

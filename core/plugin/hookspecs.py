@@ -98,6 +98,16 @@ def ember_register_tool_parsers(registry: Registry) -> None:
 
 
 @hookspec
+def ember_register_adapter_kinds(registry: Registry) -> None:
+    """Register adapter kinds: ``registry.register(MyKind.name, MyKind)``.
+
+    Values are subclasses of :class:`ember.plugin.adapter.BaseAdapterKind`, each reading
+    the adapters whose ``adapter_config.json`` names one of its ``peft_types``; Ember's
+    own LoRA is one (docs/lora.md).
+    """
+
+
+@hookspec
 def ember_configure(config: Any) -> None:
     """Called once with the engine's configuration after plugins are loaded and
     before the model loads. May inspect; must not mutate frozen configs."""

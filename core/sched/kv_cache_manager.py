@@ -42,6 +42,14 @@ def block_digest(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def adapter_root(adapter_id: int) -> bytes | None:
+    """The digest a chain of blocks computed under an adapter starts from (None: the
+    base model's chains): no block computed under one adapter serves another, or the base."""
+    if not adapter_id:
+        return None
+    return hashlib.sha256(b"ember-adapter:" + struct.pack("<q", adapter_id)).digest()
+
+
 @dataclass(slots=True)
 class _Block:
     block_id: int
@@ -146,14 +154,15 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix caching ---------------------------------------------------------
-    def find_cached_prefix(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """Block ids caching the longest prefix of the prompt, in order. The last
-        prompt token is never covered: its logits are needed, so it is recomputed."""
+    def find_cached_prefix(self, prompt_token_ids: Sequence[int], adapter_id: int = 0) -> list[int]:
+        """Block ids caching the longest prefix of the prompt (computed under the same
+        adapter), in order. The last prompt token is never covered: its logits are
+        needed, so it is recomputed."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         found: list[int] = []
-        parent: bytes | None = None
+        parent: bytes | None = adapter_root(adapter_id)
         for i in range((len(prompt_token_ids) - 1) // bs):
             parent = block_digest(parent, prompt_token_ids[i * bs : (i + 1) * bs])
             block_id = self.pool.cached.get(parent)
@@ -182,8 +191,9 @@ class KVCacheManager:
         num_full = min(num_computed_tokens // self.block_size, len(self._block_tables.get(request_id, ())))
         return len(self._digests.get(request_id, ())) < num_full
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full of computed tokens."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          adapter_id: int = 0) -> None:
+        """Register the request's blocks that became full of computed tokens (under ``adapter_id``)."""
         if not self.enable_prefix_caching:
             return
         table = self._block_tables.get(request_id, [])
@@ -191,7 +201,8 @@ class KVCacheManager:
         bs = self.block_size
         while len(digests) < num_computed_tokens // bs and len(digests) < len(table):
             i = len(digests)
-            digest = block_digest(digests[-1] if digests else None, token_ids[i * bs : (i + 1) * bs])
+            parent = digests[-1] if digests else adapter_root(adapter_id)
+            digest = block_digest(parent, token_ids[i * bs : (i + 1) * bs])
             digests.append(digest)
             self.pool.register(table[i], digest)
 

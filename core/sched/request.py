@@ -83,6 +83,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_index: int = 0  # set by the scheduler: FCFS order within a priority level
     priority: int = 0  # lower is scheduled first (and preempted last)
+    adapter_id: int = 0  # the adapter it runs under (ember.engine.adapters; 0: the base model)
     num_preemptions: int = 0  # times its KV was freed to be recomputed later
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -222,8 +222,17 @@ class Scheduler:
 
         # New (or preempted) requests join while nothing had to be preempted for
         # blocks this step: a pool that just ran short admits no one.
-        while self.waiting and not preempted_for_blocks:
-            request = self.waiting[0]
+        # With adapters, at most max_loras of them run at once: a request of another
+        # adapter waits (the ones behind it may go ahead) until a slot frees.
+        max_loras = self.config.max_loras
+        adapters = {r.adapter_id for r in self.running if r.adapter_id} if max_loras else None
+        index = 0
+        while index < len(self.waiting) and not preempted_for_blocks:
+            request = self.waiting[index]
+            if adapters is not None and request.adapter_id and request.adapter_id not in adapters \
+                    and len(adapters) >= max_loras:
+                index += 1
+                continue
             victim = self._victim()
             outranks = victim is not None and victim.priority > request.priority
             if len(self.running) >= self.config.max_num_seqs:
@@ -246,12 +255,23 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             request.draft_token_ids = []
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapters is not None and request.adapter_id:
+                adapters.add(request.adapter_id)
             scheduled[request.request_id] = num_new
             budget -= cost
+        if max_loras and len(scheduled) > 1:
+            scheduled = self._group_by_adapter(scheduled)
         return self._make_output(scheduled)
+
+    def _group_by_adapter(self, scheduled: dict[str, int]) -> dict[str, int]:
+        """The step's requests grouped by adapter (decodes still first), so that each
+        adapter's tokens form few runs of the flat batch (the runner's products per run)."""
+        requests = self.requests
+        order = sorted(scheduled, key=lambda rid: (scheduled[rid] > 1, requests[rid].adapter_id))
+        return {rid: scheduled[rid] for rid in order}
 
     def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
         """The step as a value: requests new to the runner in full, the others as deltas."""
@@ -267,7 +287,7 @@ class Scheduler:
             if request.num_blocks_in_runner < 0:
                 new.append(NewRequest(
                     request_id, request.prompt_token_ids, list(request.output_token_ids), request.sampling_params,
-                    request.eos_token_ids, list(table), start,
+                    request.eos_token_ids, list(table), start, request.adapter_id,
                 ))
             else:
                 cached.append(CachedRequest(request_id, table[request.num_blocks_in_runner :], start))
@@ -303,7 +323,8 @@ class Scheduler:
         num_top = getattr(request.sampling_params, "prompt_logprobs", None)
         if num_top is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
             return []
-        return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids)
+        return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids,
+                                          request.adapter_id)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -347,7 +368,7 @@ class Scheduler:
             num_known = min(request.num_computed_tokens, request.num_tokens)  # a stop may cut accepted drafts
             if self.kv.has_uncached_full_blocks(request_id, num_known):
                 # all_token_ids copies the sequence: only when a block just filled up
-                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known)
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known, request.adapter_id)
             if self.kv.sliding_window is not None:  # every layer slides: blocks behind the window go back
                 self.kv.release_out_of_window(request_id, num_known)
             if status is not None:

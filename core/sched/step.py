@@ -58,6 +58,7 @@ class NewRequest:
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]
     num_computed_tokens: int  # already in the KV cache (a prefix-cache hit)
+    adapter_id: int = 0  # the adapter it runs under (0: the base model)
 
 
 @dataclass(slots=True)

@@ -228,3 +228,42 @@ def _quiet_tqdm():
             super().__init__(*args, **kwargs)
 
     return QuietTqdm
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def download_adapter(repo_id: str, revision: str | None, hub_cache: Path) -> Path:
+    """A PEFT adapter repository's ``adapter_config.json`` and ``adapter_model.safetensors``
+    (nothing else) in the HF cache, from the cache when it holds them, else from the Hub;
+    the snapshot directory. `HubDownloadError` (one line) on every failure."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    if not is_valid_repo_id(repo_id):
+        raise HubDownloadError(repo_id, revision, "bad-id", "not a Hub repository id (org/name)")
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache, local_files_only=True,
+                                          allow_patterns=list(ADAPTER_FILES)))
+        if all((snapshot / name).is_file() for name in ADAPTER_FILES):
+            return snapshot
+    except Exception:  # noqa: BLE001 - not cached: ask the Hub
+        pass
+    endpoint = hub_endpoint()
+
+    def fail(reason: str, message: str) -> HubDownloadError:
+        return HubDownloadError(repo_id, revision, reason, message)
+
+    try:
+        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision)
+        names = {s.rfilename for s in (info.siblings or [])}
+        missing = [name for name in ADAPTER_FILES if name not in names]
+        if missing:
+            raise fail("no-adapter", f"the repository has no {', '.join(missing)} (a PEFT adapter saved with "
+                       "safetensors); it holds " + (", ".join(sorted(names)) or "nothing"))
+        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=hub_cache,
+                                     allow_patterns=list(ADAPTER_FILES), endpoint=endpoint, tqdm_class=_quiet_tqdm())
+    except HubDownloadError:
+        raise
+    except Exception as exc:
+        raise _classify(exc, fail, endpoint) from exc
+    return Path(snapshot)

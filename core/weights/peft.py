@@ -14,25 +14,23 @@ the file or tensor, and what is wrong.
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
+from ember.plugin.adapter import CONFIG_FILE, AdapterError, AdapterUpdate, AdapterWeights, read_adapter_config
+
+__all__ = ["AdapterError", "LoRAModule", "read_lora_adapter"]
+
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served: the message names the adapter and the problem."""
-
-
 @dataclass(frozen=True)
-class LoRAModule:
+class LoRAModule(AdapterUpdate):
     """One target module's low-rank update: ``A`` (rank, in), ``B`` (out, rank), ``scale``."""
 
     a: torch.Tensor
@@ -40,20 +38,19 @@ class LoRAModule:
     scale: float
 
     @property
+    def in_features(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.b.shape[0]
+
+    @property
     def rank(self) -> int:
         return self.a.shape[0]
 
-
-@dataclass
-class LoRAAdapter:
-    name: str
-    path: Path
-    modules: dict[str, LoRAModule] = field(default_factory=dict)  # "model.layers.0.self_attn.q_proj" -> update
-    base_model: str | None = None
-
-    @property
-    def max_rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a, self.b * self.scale
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -65,8 +62,11 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_lora_adapter(name: str, path: str | Path, *, max_rank: int | None = None) -> LoRAAdapter:
-    """The PEFT LoRA adapter at ``path`` (a directory), as `LoRAAdapter`; `AdapterError`
+def read_lora_adapter(name: str, path: str | Path, *, max_rank: int | None = None,
+                      config: dict | None = None) -> AdapterWeights:
+    """The PEFT LoRA adapter at ``path`` (a directory; ``config`` its parsed
+    ``adapter_config.json`` where the caller read it), as `AdapterWeights` of
+    `LoRAModule` updates keyed by module name; `AdapterError`
     for a missing or damaged file, a setting Ember does not run, a tensor without its pair
     or of the wrong shape, or a rank above ``max_rank``."""
     from safetensors import SafetensorError
@@ -77,17 +77,11 @@ def read_lora_adapter(name: str, path: str | Path, *, max_rank: int | None = Non
     def fail(problem: str) -> AdapterError:
         return AdapterError(f"LoRA adapter {name!r} ({str(directory)!r}): {problem}")
 
-    if not directory.is_dir():
-        raise fail("no such directory")
-    try:
-        config = json.loads((directory / CONFIG_FILE).read_text())
-    except FileNotFoundError as exc:
-        raise fail(f"no {CONFIG_FILE}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise fail(f"{CONFIG_FILE} is not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise fail(f"{CONFIG_FILE} is not a JSON object")
-    kind = config.get("peft_type", "LORA")
+    if config is None:
+        if not directory.is_dir():
+            raise fail("no such directory")
+        config = read_adapter_config(name, directory)
+    kind = config.get("peft_type") or "LORA"
     if str(kind).upper() != "LORA":
         raise fail(f"peft_type {kind!r} is not supported (only LORA)")
     for key, refused in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
@@ -115,7 +109,7 @@ def read_lora_adapter(name: str, path: str | Path, *, max_rank: int | None = Non
         if match is None:
             raise fail(f"tensor {key!r} is not a LoRA A/B weight (embedding or other adapters are not supported)")
         pairs.setdefault(match["module"], {})[match["part"]] = tensor
-    adapter = LoRAAdapter(name, directory, base_model=config.get("base_model_name_or_path"))
+    adapter = AdapterWeights(name, "lora", str(directory), base_model=config.get("base_model_name_or_path"))
     for module, parts in sorted(pairs.items()):
         if set(parts) != {"A", "B"}:
             raise fail(f"module {module!r} has lora_{''.join(parts)} without its pair")
@@ -130,7 +124,7 @@ def read_lora_adapter(name: str, path: str | Path, *, max_rank: int | None = Non
             raise fail(f"module {module!r} has rank {rank}, above max_lora_rank {max_rank}")
         module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
         scale = module_alpha / (math.sqrt(rank) if rslora else rank)
-        adapter.modules[module] = LoRAModule(a.float().contiguous(), b.float().contiguous(), scale)
-    if not adapter.modules:
+        adapter.updates[module] = LoRAModule(a.float().contiguous(), b.float().contiguous(), scale)
+    if not adapter.updates:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     return adapter

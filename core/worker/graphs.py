@@ -117,3 +117,22 @@ class DecodeGraphs:
             self.positions[n:size].zero_()
         self.attention.fill_graph_metadata(metadata, batch)
         return replay()[:n]
+
+
+def capture_decode_graphs(runner, backend, attention: BaseAttention, config) -> float | None:
+    """Capture ``runner``'s decode steps in device graphs where the backend has them and
+    the attention has a static form (``config``: ``enforce_eager``, ``graph_sizes``,
+    ``max_num_seqs``); the seconds it took, or None."""
+    if config.enforce_eager or config.graph_sizes == ():
+        return None
+    capture = backend.graph_capture()
+    if capture is None:
+        return None
+    if not attention.supports_graphs:
+        logger.info("device graphs: off (the %s attention has no static form); decode steps run eagerly",
+                    attention.name)
+        return None
+    sizes = config.graph_sizes or [
+        s for s in backend.graph_batch_sizes or default_graph_sizes(config.max_num_seqs) if s <= config.max_num_seqs
+    ]
+    return runner.capture_graphs(capture, sizes).capture_seconds

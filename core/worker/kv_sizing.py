@@ -126,3 +126,34 @@ def kv_cache_spec_from_config(hf_config, backend, dtype, attention, architecture
     cls = get_model_class(hf_config, architectures)
     model = cls(hf_config, attention, backend.compute_dtype(dtype), dtype=backend.weight_dtype(dtype), device="meta")
     return model.kv_cache_spec
+
+
+def explicit_num_blocks(config, block_size: int, max_model_len: int, bytes_per_token) -> int | None:
+    """The KV pool's blocks where the user sized it (``num_kv_blocks``, ``num_kv_tokens``,
+    ``kv_cache_memory_bytes``; ``bytes_per_token()`` is asked only for the last), checked;
+    None when the pool is to be measured after the weights load."""
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None and config.num_kv_tokens is not None:
+        num_blocks = -(-config.num_kv_tokens // block_size)
+    if num_blocks is not None:
+        check_kv_cache(num_blocks, block_size, config, max_model_len)
+    elif config.kv_cache_memory_bytes is not None:
+        per_token = bytes_per_token()
+        budget = config.kv_cache_memory_bytes
+        num_blocks = budget // (per_token * block_size)
+        check_kv_cache(num_blocks, block_size, config, max_model_len, per_token, budget)
+    return num_blocks
+
+
+def step_token_budgets(config, backend, hf_config, dtype: torch.dtype, max_model_len: int) -> tuple[int, int | None]:
+    """A step's token budget and that of a step with no decode (None: the same): the
+    user's ``max_num_batched_tokens``, else with chunked prefill the backend's default
+    (at least one decode token for every running request) and its prefill-only budget,
+    else one whole prompt of the context."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens, None
+    if config.enable_chunked_prefill:
+        max_batched = max(backend.default_step_tokens, config.max_num_seqs)
+        prefill_tokens = backend.prefill_step_tokens(hf_config, backend.compute_dtype(dtype))
+        return max_batched, max(max_batched, prefill_tokens or 0)
+    return max(8192, max_model_len), None

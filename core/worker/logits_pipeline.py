@@ -165,3 +165,21 @@ class LogitsPipeline:
                 self.processors[k].add_request(row.request_id, params, row.prompt_token_ids)
             self.active[row.request_id] = active
         return active
+
+
+def apply_token_masks(logits: torch.Tensor, masks: dict[str, torch.Tensor], requests, sample_spans) -> None:
+    """Ban, in place, the tokens each request's allowed-token mask (``masks`` by request
+    id, bool ``(positions, vocab)``) leaves out: ``requests[i]`` (anything with a
+    ``request_id``) samples ``sample_spans[i] = (first row, positions)`` of ``logits``."""
+    if not masks:
+        return
+    for request, (first, num_positions) in zip(requests, sample_spans):
+        mask = masks.get(request.request_id)
+        if mask is None or not num_positions:
+            continue
+        if mask.dtype != torch.bool or mask.shape[-1] != logits.shape[-1] or mask.shape[0] < num_positions:
+            raise ValueError(
+                f"allowed-token mask of {request.request_id!r} must be bool (positions >= {num_positions}, "
+                f"{logits.shape[-1]}), got {mask.dtype} {tuple(mask.shape)}"
+            )
+        logits[first : first + num_positions].masked_fill_(~mask[:num_positions].to(logits.device), float("-inf"))

@@ -31,7 +31,7 @@ from ember.plugin.logits_processor import SamplingRow
 from ember.sampling_params import SamplingParams
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 from ember.worker.graphs import DecodeGraphs
-from ember.worker.logits_pipeline import LogitsPipeline
+from ember.worker.logits_pipeline import LogitsPipeline, apply_token_masks
 from ember.worker.sampler import Sampler
 
 
@@ -53,6 +53,7 @@ class RunnerRequest:
     num_written: int = 0
     # tokens proposed for this step (written after the request's tokens)
     draft_token_ids: list[int] = field(default_factory=list)
+    adapter_id: int = 0  # the adapter (LoRA) it runs under; 0: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,7 +109,7 @@ class InputBatch:
         row = self._free_rows.pop()
         request = RunnerRequest(
             new.request_id, row, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-            tuple(new.eos_token_ids), new.num_computed_tokens,
+            tuple(new.eos_token_ids), new.num_computed_tokens, adapter_id=new.adapter_id,
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         self._ensure_width(len(tokens))
@@ -280,6 +281,7 @@ class ModelRunner:
         # when collect_all_hidden is set
         self.collect_all_hidden = False
         self.step_hidden: list[tuple[str, int, torch.Tensor]] = []
+        self.adapter_slots = None  # adapters (LoRA) by slot and each step's runs (ember.worker.adapter_slots)
 
     def capture_graphs(self, capture, sizes) -> DecodeGraphs:
         """Capture decode-only forward passes of ``sizes`` requests with the backend's
@@ -371,6 +373,8 @@ class ModelRunner:
             num_flat += num_tokens
         input_ids, positions, attention_batch = batch.gather(requests, query_lens)
         graphs = self.graphs
+        if self.adapter_slots is not None and self.adapter_slots.prepare([r.adapter_id for r in requests], query_lens):
+            graphs = None  # the step has adapter tokens: graphs hold the base model's products only
         if graphs is not None and num_flat == len(requests) <= graphs.max_size:  # one token each: decodes
             hidden = graphs.run(input_ids, positions, attention_batch)
         else:
@@ -387,7 +391,7 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
             if scheduler_output.allowed_token_masks:
-                self._apply_masks(logits, scheduler_output, requests, sample_spans)
+                apply_token_masks(logits, scheduler_output.allowed_token_masks, requests, sample_spans)
             sampled = self.sampler(logits, rows)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
             if any(row.params.logprobs is not None for row in rows):
@@ -462,26 +466,6 @@ class ModelRunner:
                 (request.request_id, request.num_computed_tokens, hidden[first : first + num_kept].clone())
             )
             first += num_tokens
-
-    @staticmethod
-    def _apply_masks(
-        logits: torch.Tensor, scheduler_output: SchedulerOutput, requests: list[RunnerRequest],
-        sample_spans: list[tuple[int, int]],
-    ) -> None:
-        """Ban, in place, the tokens each request's allowed-token mask leaves out."""
-        masks = scheduler_output.allowed_token_masks
-        if not masks:
-            return
-        for request, (first, num_positions) in zip(requests, sample_spans):
-            mask = masks.get(request.request_id)
-            if mask is None or not num_positions:
-                continue
-            if mask.dtype != torch.bool or mask.shape[-1] != logits.shape[-1] or mask.shape[0] < num_positions:
-                raise ValueError(
-                    f"allowed-token mask of {request.request_id!r} must be bool (positions >= {num_positions}, "
-                    f"{logits.shape[-1]}), got {mask.dtype} {tuple(mask.shape)}"
-                )
-            logits[first : first + num_positions].masked_fill_(~mask[:num_positions].to(logits.device), float("-inf"))
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, request: RunnerRequest, first_row: int, num_rows: int, chunk: int = 512
