@@ -188,3 +188,52 @@ def test_bad_adapters_are_refused_by_name(setup, tmp_path):
         engine.add_request(None, SamplingParams(max_tokens=2), prompt_token_ids=[5, 6], request_id="x",
                            adapter="nope")
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_async_engine_loads_serves_and_unloads_adapters(setup, mode):
+    """The server's client, with the core in a thread and in its own process: adapters from
+    --lora-modules and loaded at run time serve their requests; errors reach the caller."""
+    import asyncio
+
+    from ember.engine.async_engine import AsyncLLMEngine
+
+    hf_model, oracles, _, root = setup
+    config = EngineConfig(model=str(root / "base"), dtype="float32", num_kv_blocks=128, block_size=4, max_loras=2,
+                          max_lora_rank=64, lora_modules={"r8": str(root / "r8")})
+    engine = (AsyncLLMEngine.with_engine_process(config) if mode == "process"
+              else AsyncLLMEngine(LLMEngine(config)))
+    engine.start()
+    prompt = prompts(hf_model.config.vocab_size, (7,), seed=5)[0]
+    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    async def tokens(adapter):
+        final = None
+        async for out in engine.generate(None, sampling, prompt_token_ids=prompt, adapter=adapter):
+            final = out
+        return final.outputs[0].token_ids
+
+    async def main():
+        assert set(engine.adapters()) == {"r8"} and engine.model_info.lora.max_loras == 2
+        info = engine.load_adapter("r64", str(root / "r64"))
+        assert (info.kind, info.rank) == ("lora", 64)
+        got = await asyncio.gather(tokens("r8"), tokens("r64"), tokens(None))
+        assert got == [peft_greedy(oracles["r8"], prompt), peft_greedy(oracles["r64"], prompt),
+                       peft_greedy(hf_model, prompt)]
+        with pytest.raises(AdapterError, match="'r64' is already loaded"):
+            engine.load_adapter("r64", str(root / "r16"))
+        with pytest.raises(AdapterError, match="rank 64, above max_lora_rank 16|not a directory"):
+            engine.load_adapter("gone", str(root / "nowhere"))
+        engine.unload_adapter("r64")
+        with pytest.raises(UnknownAdapterError, match="'r64' is not loaded; loaded adapters: r8"):
+            await tokens("r64")
+        with pytest.raises(UnknownAdapterError):
+            engine.unload_adapter("r64")
+        assert await tokens("r8") == got[0]  # the others go on
+        engine.load_adapter("r64", str(root / "r16"))  # the name again, other weights
+        assert await tokens("r64") == peft_greedy(oracles["r16"], prompt)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        engine.shutdown()

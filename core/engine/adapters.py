@@ -175,3 +175,15 @@ def create_adapters(config, model, backend, kinds) -> tuple[AdapterRegistry | No
     logger.info("LoRA: %d adapter slot(s) of rank <= %d; %s products", config.max_loras, config.max_lora_rank,
                 "the backend's batched op" if adapter_model.op is not None else "PyTorch's")
     return registry, adapter_model
+
+
+def apply_adapter_command(core, action: str, name: str, path: str, weights) -> None:
+    """Load or unload an adapter in the core for a client that checked the request (a
+    failure here is a race the client could not see: logged, nothing else changes)."""
+    try:
+        if action == "add":
+            core.add_adapter(name, path, weights)
+        else:
+            core.remove_adapter(name)
+    except AdapterError as exc:
+        logger.error("adapter %s of %r failed in the engine core: %s", action, name, exc)

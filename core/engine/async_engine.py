@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import EngineConfig
+from ember.engine.adapters import apply_adapter_command, check_adapter_name, resolve_adapter_path
 from ember.engine.client import (
+    AdapterInfo,
     EngineClient,
     EngineDeadError,
     EngineFatalError,
@@ -38,6 +40,7 @@ from ember.engine.output_processor import OutputKind, OutputProcessor
 from ember.models.tokenizer import load_tokenizer
 from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager
+from ember.plugin.adapter import AdapterError, AdapterWeights, UnknownAdapterError, read_adapter
 from ember.plugin.logits_processor import BaseLogitsProcessor, LogitsProcessorContext
 from ember.sampling_params import SamplingParams
 from ember.sched.request import RequestStatus
@@ -49,6 +52,14 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError"]
+
+
+@dataclass(frozen=True, slots=True)
+class _AdapterCommand:  # load ("add": weights read and checked on this side) or unload ("remove") an adapter
+    action: str
+    name: str
+    path: str = ""
+    weights: AdapterWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,9 @@ class AsyncLLMEngine(EngineClient):
             self.input_processor = InputProcessor(self.tokenizer, info, validator.validate)
             self._stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0, 0)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # the adapters the core serves, as this side knows them (every load and unload passes here)
+        lora = self._model_info.lora
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in lora.adapters} if lora is not None else {}
         # guards the output processor, _streams and the id counter: callers add and
         # abort from the event loop, the engine thread processes outputs
         self._lock = threading.Lock()
@@ -199,6 +213,7 @@ class AsyncLLMEngine(EngineClient):
         *,
         validated: bool = False,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate (unless ``validated``: the caller checked exactly these ids and
         params with :meth:`validate`), queue and stream one request's outputs (the last
@@ -206,10 +221,14 @@ class AsyncLLMEngine(EngineClient):
         DELTA outputs carry only what each step added.
 
         Leaving the iterator early (client gone, task cancelled) aborts the request,
-        which frees its KV blocks at the engine's next step.
+        which frees its KV blocks at the engine's next step. ``adapter``: a served
+        adapter's name (`UnknownAdapterError` for another).
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded; loaded adapters: "
+                                      f"{', '.join(self._adapters) or 'none'}")
         if validated and prompt_token_ids is not None:
             ids = list(prompt_token_ids)
         else:
@@ -221,7 +240,7 @@ class AsyncLLMEngine(EngineClient):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
-        self._send(EngineCoreRequest(request_id, ids, params, priority))
+        self._send(EngineCoreRequest(request_id, ids, params, priority, adapter))
         finished = False
         try:
             while True:
@@ -244,7 +263,32 @@ class AsyncLLMEngine(EngineClient):
             ids = self.output_processor.abort(request_id)
         self._send(_Abort([request_id, *ids]))
 
-    def _send(self, command: EngineCoreRequest | _Abort) -> None:
+    # -- adapters ---------------------------------------------------------------
+    def adapters(self) -> dict[str, AdapterInfo]:
+        return dict(self._adapters)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Read and check the adapter here (its errors reach the caller at once), then
+        hand it to the core: requests sent after this call may use it."""
+        if (lora := self._model_info.lora) is None:
+            raise AdapterError(f"adapter {name!r}: LoRA adapters are off (start with --enable-lora or --lora-modules)")
+        check_adapter_name(name)
+        if name in self._adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded; unload it first or choose another name")
+        kinds = {k: cls() for k, cls in self._plugin_manager.registries.adapter_kinds.items()}
+        weights = read_adapter(kinds, name, resolve_adapter_path(name, path), targets=lora.targets,
+                               max_rank=lora.max_lora_rank)
+        self._adapters[name] = info = AdapterInfo(name, path, weights.kind, weights.max_rank)
+        self._send(_AdapterCommand("add", name, path, weights))
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        if self._adapters.pop(name, None) is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded adapters: "
+                                      f"{', '.join(self._adapters) or 'none'}")
+        self._send(_AdapterCommand("remove", name))
+
+    def _send(self, command: EngineCoreRequest | _Abort | _AdapterCommand) -> None:
         if self._process is None:
             self._commands.put(command)
             self._wakeup.set()
@@ -252,6 +296,8 @@ class AsyncLLMEngine(EngineClient):
         try:
             if isinstance(command, _Abort):
                 self._process.abort(command.request_ids, command.status)
+            elif isinstance(command, _AdapterCommand):
+                self._process.adapter(command.action, command.name, command.path, command.weights)
             else:
                 self._process.add(command)
         except (OSError, ValueError) as exc:  # the pipe is closed: the core is gone
@@ -374,6 +420,9 @@ class AsyncLLMEngine(EngineClient):
             if isinstance(command, _Abort):
                 core.abort_requests(command.request_ids, command.status)
                 continue
+            if isinstance(command, _AdapterCommand):
+                apply_adapter_command(core, command.action, command.name, command.path, command.weights)
+                continue
             if command.request_id not in self._streams:  # the client left before the request reached the engine
                 continue
             try:
@@ -448,3 +497,4 @@ class AsyncLLMEngine(EngineClient):
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop died: {exc!r}")
         for stream in streams:
             stream.put(error)
+

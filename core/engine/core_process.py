@@ -4,7 +4,8 @@ deadlock. The core loads plugins from the ``ember`` entry points itself and talk
 a `multiprocessing` pipe, everything pickled by `multiprocessing.connection` (no
 protocol of our own); it exits when the parent closes the pipe or dies:
 
-* parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``, ``("shutdown",)``;
+* parent -> core: ``("add", EngineCoreRequest)``, ``("abort", ids, status)``,
+  ``("adapter", "add" | "remove", name, path, AdapterWeights | None)``, ``("shutdown",)``;
 * core -> parent: ``("ready", ModelInfo)`` or ``("failed", exception)`` once at start,
   then ``("outputs", EngineCoreOutputs)`` per step, ``("stats", EngineStats)`` when it
   goes idle, ``("add_failed", request_id, message)`` for a request the core refused,
@@ -23,6 +24,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ember.config import EngineConfig
+from ember.engine.adapters import apply_adapter_command
 from ember.engine.client import ModelInfo
 from ember.engine.core import EngineCore
 from ember.errors import EngineFatalError
@@ -81,6 +83,8 @@ def _serve(core: EngineCore, conn: Connection) -> None:
                     conn.send(("add_failed", message[1].request_id, str(exc)))
             elif kind == "abort":
                 core.abort_requests(message[1], message[2])
+            elif kind == "adapter":
+                apply_adapter_command(core, *message[1:])
         try:
             outputs = core.step()
         except EngineFatalError:
@@ -129,6 +133,11 @@ class EngineCoreProcess:
     def add(self, request) -> None:
         with self._send_lock:
             self.conn.send(("add", request))
+
+    def adapter(self, action: str, name: str, path: str, weights) -> None:
+        """Load (``action`` "add", ``weights`` already read and checked) or unload an adapter."""
+        with self._send_lock:
+            self.conn.send(("adapter", action, name, path, weights))
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         with self._send_lock:

@@ -53,11 +53,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         priority: int | Sequence[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. A single ``SamplingParams`` applies to all.
 
         ``priority`` (one for all, or one per prompt): lower is scheduled first and
-        preempted last when the KV cache runs short; equal ones are first come, first served."""
+        preempted last when the KV cache runs short; equal ones are first come, first served.
+        ``lora_request`` (one for all, or one per prompt; None: the base model): an adapter's
+        name, or an object with ``lora_name`` and ``lora_path`` (vLLM's ``LoRARequest``),
+        loaded on first use (an engine built with ``enable_lora=True``)."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -72,11 +76,13 @@ class LLM:
             priorities = list(priority)
             if len(priorities) != count:
                 raise ValueError(f"{count} prompts but {len(priorities)} priorities")
+        adapters = self._adapter_names(lora_request, count)
         request_ids = []
         for i in range(count):
             prompt = prompts[i] if prompts is not None else None
             ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
-            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i]))
+            request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i],
+                                                       adapter=adapters[i]))
         return self._run(request_ids)  # best_of applied by the engine (the output processor)
 
     def beam_search(
@@ -172,6 +178,22 @@ class LLM:
 
     def _encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         return encode_chat(self.engine.tokenizer, messages)
+
+    def _adapter_names(self, lora_request, count: int) -> list[str | None]:
+        """Each prompt's adapter name, loading a ``LoRARequest``-like one not loaded yet."""
+        if lora_request is None or isinstance(lora_request, str) or hasattr(lora_request, "lora_name"):
+            lora_request = [lora_request] * count
+        names = []
+        for item in lora_request:
+            if item is not None and not isinstance(item, str):
+                adapters = self.engine.adapters
+                if adapters is None or item.lora_name not in adapters.names():
+                    self.engine.add_adapter(item.lora_name, str(item.lora_path))
+                item = item.lora_name
+            names.append(item)
+        if len(names) != count:
+            raise ValueError(f"{count} prompts but {len(names)} lora requests")
+        return names
 
     @staticmethod
     def _params_list(params, count: int) -> list[SamplingParams]:
