@@ -7,8 +7,10 @@
     check_tool_parser(MyToolParser)
     check_quantizer(MyQuantizer(config), tensors_of_one_linear, backend=MyBackend())
     check_speculator(MySpeculator, tmp_path)
+    check_adapter_kind(MyAdapterKind, tmp_path)
 """
 
+from ember.testing.adapter_conformance import check_adapter_kind
 from ember.testing.backend_conformance import (
     check_attention, check_backend, check_backend_basics, check_end_to_end, check_graph_attention,
 )
@@ -21,7 +23,7 @@ from ember.testing.speculator_conformance import check_speculator
 from ember.testing.tool_parser_conformance import check_tool_parser
 
 __all__ = [
-    "check_attention", "check_backend", "check_backend_basics", "check_end_to_end", "check_grammar_backend",
-    "check_graph_attention", "check_logits_processor", "check_quantized_linear_op", "check_quantized_weight",
-    "check_quantizer", "check_speculator", "check_tool_parser",
+    "check_adapter_kind", "check_attention", "check_backend", "check_backend_basics", "check_end_to_end",
+    "check_grammar_backend", "check_graph_attention", "check_logits_processor", "check_quantized_linear_op",
+    "check_quantized_weight", "check_quantizer", "check_speculator", "check_tool_parser",
 ]
