@@ -23,9 +23,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ember.api.cli_env import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DTYPES, ENV_OPTIONS, KV_CACHE_DTYPES, LOG_LEVELS, MODEL_IMPLS, PROG,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DTYPES,
+    ENV_OPTIONS,
+    KV_CACHE_DTYPES,
+    LOG_LEVELS,
+    MODEL_IMPLS,
+    PROG,
     UsageError,
-    apply_defaults, parse_graph_sizes, parse_names, parse_size_option, retired_variable_warnings,
+    apply_defaults,
+    parse_graph_sizes,
+    parse_names,
+    parse_size_option,
+    retired_variable_warnings,
 )
 from ember.api.commands import (
     print_error,
@@ -37,6 +48,7 @@ from ember.api.commands import (
     run_serve,
     run_watermark_detect,
 )
+from ember.api.lora import add_lora_arguments
 
 # -- parser ------------------------------------------------------------------------------------
 
@@ -316,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(serve)
     _add_backend_arguments(serve)
     _add_server_arguments(serve)
+    add_lora_arguments(serve)
     _add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
 

@@ -53,6 +53,12 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _lora_modules_variable(text: str) -> list:
+    from ember.api.lora import parse_lora_modules
+
+    return parse_lora_modules(text, "entry")
+
+
 def parse_graph_sizes(text: str) -> tuple[int, ...]:
     """TGI's --cuda-graphs: batch sizes separated by commas; 0 alone turns graphs off."""
     try:
@@ -158,6 +164,12 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "tensor_parallel_size": EnvOption("EMBER_TENSOR_PARALLEL_SIZE", int),
     "pipeline_parallel_size": EnvOption("EMBER_PIPELINE_PARALLEL_SIZE", int),
     "speculative_config": EnvOption("EMBER_SPECULATIVE_CONFIG", str),
+    "enable_lora": EnvOption("EMBER_ENABLE_LORA", _parse_bool),
+    "lora_modules": EnvOption("EMBER_LORA_MODULES", _lora_modules_variable),
+    "max_loras": EnvOption("EMBER_MAX_LORAS", int),
+    "max_lora_rank": EnvOption("EMBER_MAX_LORA_RANK", int),
+    "max_cpu_loras": EnvOption("EMBER_MAX_CPU_LORAS", int),
+    "enable_lora_runtime_updates": EnvOption("EMBER_ENABLE_LORA_RUNTIME_UPDATES", _parse_bool),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -211,7 +223,15 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "speculative_config": None,
+    "enable_lora": False,
+    "lora_modules": [],
+    "max_loras": 1,
+    "max_lora_rank": 16,
+    "max_cpu_loras": None,  # None: --max-loras
+    "enable_lora_runtime_updates": False,
 }
+# TGI's variable: LoRA adapters to load at start, added to --lora-modules / EMBER_LORA_MODULES
+LORA_ADAPTERS_VARIABLE = "LORA_ADAPTERS"
 
 
 BACKEND_OPTIONS_VARIABLE = "EMBER_BACKEND_OPTIONS"
@@ -296,6 +316,22 @@ def resolve_backend_options(args: argparse.Namespace, environ: Mapping[str, str]
     args.backend_option = options
 
 
+def resolve_lora_adapters(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """TGI's ``LORA_ADAPTERS`` adds its adapters to ``args.lora_modules`` (after those of
+    --lora-modules, or of EMBER_LORA_MODULES when the flag is not given)."""
+    if not hasattr(args, "lora_modules"):
+        return
+    text = environ.get(LORA_ADAPTERS_VARIABLE, "")
+    if not text.strip():
+        return
+    from ember.api.lora import parse_lora_adapters
+
+    try:
+        args.lora_modules = list(args.lora_modules) + parse_lora_adapters(text, "entry")
+    except ValueError as exc:
+        raise UsageError(f"environment variable {LORA_ADAPTERS_VARIABLE}={text!r} is invalid: {exc}") from None
+
+
 def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """Fill every option the command line left unset (None) from its variable, else
     from `BUILTIN_DEFAULTS`. An empty variable is unset, except for a secret: an empty
@@ -322,3 +358,4 @@ def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None
         except ValueError as exc:
             raise UsageError(f"environment variable {option.variable}={text!r} is invalid: {exc}") from None
     resolve_backend_options(args, environ)
+    resolve_lora_adapters(args, environ)

@@ -111,6 +111,12 @@ def run_serve(args: argparse.Namespace) -> int:
         speculative_config=_speculative_config(args),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     from ember.parallel import is_torchrun_worker, run_torchrun_worker
 

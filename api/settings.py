@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.api.lora import LoRAModule, lora_modules
+
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
 SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -107,8 +109,22 @@ class ServerSettings:
     # tensor and pipeline parallelism (docs/parallel.md): worker processes per stage, stages
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # LoRA adapters (docs/lora.md, vLLM's flags): on with --enable-lora or any --lora-modules
+    # (LORA_ADAPTERS adds to them); /v1/load_lora_adapter and /v1/unload_lora_adapter only
+    # with --enable-lora-runtime-updates
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = field(default_factory=tuple)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    enable_lora_runtime_updates: bool = False
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         object.__setattr__(self, "cors_allow_origins", tuple(self.cors_allow_origins))
@@ -129,6 +145,9 @@ class ServerSettings:
         }
         positive["tensor_parallel_size"] = self.tensor_parallel_size
         positive["pipeline_parallel_size"] = self.pipeline_parallel_size
+        positive["max_loras"] = self.max_loras
+        positive["max_lora_rank"] = self.max_lora_rank
+        optional_positive["max_cpu_loras"] = self.max_cpu_loras
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"--engine-mode must be 'thread' or 'process', got {self.engine_mode!r}")
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
@@ -136,6 +155,9 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras}): "
+                             "the adapters running at once are held in host memory too")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
         if self.max_stop_sequences < 0:
@@ -315,6 +337,11 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
     if settings.model_impl != "auto":
         kwargs["model_impl"] = settings.model_impl
+    if settings.lora_enabled:
+        kwargs.update(
+            enable_lora=True, lora_modules=tuple((m.name, m.path) for m in settings.lora_modules),
+            max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank, max_cpu_loras=settings.max_cpu_loras,
+        )
     return kwargs
 
 
