@@ -401,10 +401,11 @@ class RequestMiddleware:
             "error_type": ctx.error_type,
             "prompt_tokens": ctx.num_prompt_tokens,
             "generated_tokens": ctx.num_generated_tokens,
+            "adapter": ctx.adapter,  # the LoRA adapter's name; None: the base model
         }
         access_logger.log(
-            level, "%s %s %s %s in %.3f s (request %s)", ctx.method, path, ctx.status, ctx.outcome, duration,
-            ctx.request_id, extra={"fields": fields},
+            level, "%s %s %s %s in %.3f s (request %s%s)", ctx.method, path, ctx.status, ctx.outcome, duration,
+            ctx.request_id, "" if ctx.adapter is None else f", adapter {ctx.adapter}", extra={"fields": fields},
         )
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,7 @@ class GenerationRecord:
     is_finished: bool = False
     error_type: str | None = None
     detokenize_times: dict[int, float] = field(default_factory=dict)  # by sample
+    adapter: str | None = None  # the LoRA adapter's name; None: the base model
 
     @property
     def detokenize_time(self) -> float:
@@ -172,6 +173,11 @@ class RequestContext:
         return sum(g.num_prompt_tokens for g in self.generations)
 
     @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request's generations ran under (None: the base model)."""
+        return next((g.adapter for g in self.generations if g.adapter is not None), None)
+
+    @property
     def num_generated_tokens(self) -> int:
         return sum(g.num_generated_tokens for g in self.generations)
 
@@ -248,6 +254,8 @@ class ServerMetrics:
         self.step_tokens = Counter(
             "ember_step_tokens", "Tokens computed by engine steps, by phase (prefill or decode)", ["phase"], registry=r,
         )
+        # more per-request metrics (ember.api.routes.lora's per-adapter counters): called as each request ends
+        self.request_observers: list[Callable[[RequestContext], None]] = []
         r.register(_EngineCollector(client, in_flight))
         client.add_step_listener(self.observe_step)
 
@@ -275,6 +283,8 @@ class ServerMetrics:
             ):
                 if value is not None:
                     histogram.observe(value)
+        for observe in self.request_observers:
+            observe(ctx)
 
     def routes(self) -> list[Route]:
         return [Route("/metrics", self.metrics, methods=["GET"])]
@@ -405,6 +415,8 @@ class Tracing:
             return
         if span.is_recording():
             self._children(ctx, end_time)
+            if ctx.adapter is not None:
+                span.set_attribute("ember.lora.adapter", ctx.adapter)
             span.set_attributes({
                 "http.response.status_code": ctx.status or 0,
                 "ember.outcome": ctx.outcome,
@@ -445,6 +457,8 @@ class Tracing:
             "ember.num_samples": g.num_samples,
             "gen_ai.response.finish_reasons": [r or "none" for r in g.finish_reasons],
         })
+        if g.adapter is not None:
+            span.set_attribute("ember.lora.adapter", g.adapter)
         inner = trace.set_span_in_context(span)
         stages = [("queue", g.start_time, g.first_scheduled_time or end)]
         if g.first_scheduled_time is not None:

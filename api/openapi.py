@@ -28,6 +28,9 @@ class RouteDoc:
     error_model: type[BaseModel] | None = None
 
 
+GENERATION_ERRORS = (400, 404, 408, 413, 415, 422, 429)  # routes that select a model or LoRA adapter
+
+
 def documented(**kwargs: Any) -> Callable:
     """Attach a RouteDoc to a handler: ``@documented(summary=..., tag=..., request=M)``."""
 
@@ -92,6 +95,8 @@ def _undocumented(route: Route) -> RouteDoc:
 
 _ERROR_TEXT = {
     400: "malformed JSON (or not strict JSON: NaN, infinite numbers, too deep) or body not UTF-8",
+    401: "missing or wrong API key (with --api-key)",
+    404: "a model or LoRA adapter name that is not served (the message lists those that are), or a route that is off",
     408: "the body did not arrive within --request-body-timeout",
     413: "body larger than --payload-limit",
     415: "Content-Type is not application/json",

@@ -28,6 +28,7 @@ from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
 from ember.api.routes.common import CommonRoutes
+from ember.api.routes.lora import LoRAMetrics, LoRARoutes
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.openai_completions import CompletionRoutes
 from ember.api.routes.tgi import TGIRoutes
@@ -73,8 +74,13 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
         created=int(time.time()),
     )
     service = GenerationService(engine, limits, info)
+    if model_id in engine.adapters():
+        raise ValueError(f"--lora-modules: adapter name {model_id!r} is the served model's name; choose another")
+    service.adapter_parents.update({m.name: m.base_model_name for m in settings.lora_modules if m.base_model_name})
     lifecycle = Lifecycle(engine, settings.graceful_termination_timeout)
     metrics = ServerMetrics(engine, in_flight=lambda: service.num_in_flight)
+    if model.lora is not None:
+        LoRAMetrics(engine, metrics)
     if tracer_provider is not None:
         tracing = Tracing(tracer_provider)
     elif settings.otlp_endpoint is not None:
@@ -83,6 +89,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
         tracing = Tracing(None)
     routes = CommonRoutes(service, lifecycle).routes() + TGIRoutes(service).routes() + metrics.routes()
     routes += CompletionRoutes(service).routes() + ChatRoutes(service).routes()
+    routes += LoRARoutes(service, settings.enable_lora_runtime_updates).routes()
     routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 

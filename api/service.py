@@ -37,6 +37,7 @@ from ember.api.settings import ResolvedLimits
 from ember.engine.client import EngineClient
 from ember.errors import EngineDeadError, RequestAbortedError
 from ember.outputs import OutputKind, RequestOutput
+from ember.plugin.adapter import UnknownAdapterError
 from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember.api.lifecycle")  # the name the lifecycle has always logged under
@@ -67,6 +68,8 @@ class GenerationService:
         self.num_in_flight = 0
         self.started_at = time.time()
         self.chars_per_token = self.model_info.max_chars_per_token
+        # adapter name -> the base model /v1/models names as its parent, where --lora-modules' JSON form named one
+        self.adapter_parents: dict[str, str] = {}
         self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ember-prepare")
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
@@ -76,6 +79,40 @@ class GenerationService:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- adapters (LoRA) ----------------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        return self.model_info.lora is not None
+
+    def served_names(self) -> list[str]:
+        """The base model's name, then every loaded adapter's (what /v1/models lists)."""
+        return [self.info.model_id, *self.client.adapters()]
+
+    def adapter_for_model(self, model: str) -> str | None:
+        """The OpenAI ``model`` field: the served model's name is the base (None), a loaded
+        adapter's name that adapter; another name is a 404 listing what is served. With
+        adapters off any name is the base (and echoed back), as before adapters existed."""
+        if not self.lora_enabled or model == self.info.model_id:
+            return None
+        if model in self.client.adapters():
+            return model
+        raise APIError(404, f"The model `{model}` does not exist; served models: "
+                       f"{', '.join(self.served_names())} (GET /v1/models lists them)", "model_not_found", "model")
+
+    def adapter_for_id(self, adapter_id: str | None) -> str | None:
+        """TGI's ``parameters.adapter_id``: null (or the served model's name) is the base; a
+        loaded adapter's name that adapter; another name is a 404 listing the loaded ones."""
+        if adapter_id is None or adapter_id == self.info.model_id:
+            return None
+        if not self.lora_enabled:
+            raise APIError(404, f"adapter {adapter_id!r} is not loaded: LoRA adapters are off (start the server "
+                           "with --enable-lora or --lora-modules NAME=PATH)", "adapter_not_found", "adapter_id")
+        loaded = self.client.adapters()
+        if adapter_id in loaded:
+            return adapter_id
+        raise APIError(404, f"adapter {adapter_id!r} is not loaded; loaded adapters: {', '.join(loaded) or 'none'}",
+                       "adapter_not_found", "adapter_id")
 
     def check_chars(self, text: str, input_name: str, max_tokens: int | None = None) -> None:
         """422 for a text too long to fit ``max_tokens`` (default --max-input-tokens)
@@ -153,18 +190,20 @@ class GenerationService:
 
     async def generate(
         self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        output_kind: OutputKind = OutputKind.CUMULATIVE, adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for a request that passed :meth:`validate` (every route
         validates while preparing, so the engine does not again); the current request's
-        context records their timings and counts. ``output_kind``: DELTA for streams."""
-        record = GenerationRecord(len(prompt_ids), params.num_samples)
+        context records their timings and counts. ``output_kind``: DELTA for streams.
+        ``adapter``: a loaded adapter's name (`adapter_for_model` / `adapter_for_id`), None for the base."""
+        record = GenerationRecord(len(prompt_ids), params.num_samples, adapter=adapter)
         ctx = current()
         if ctx is not None:
             ctx.generations.append(record)
         try:
             async for out in self.client.generate(
                 prompt, params, prompt_token_ids=prompt_ids, priority=priority, validated=True, output_kind=output_kind,
+                **({"adapter": adapter} if adapter is not None else {}),
             ):
                 record.observe(out)
                 yield out
@@ -174,6 +213,9 @@ class GenerationService:
         except RequestAbortedError as exc:
             record.error_type = "shutting_down"
             raise APIError(503, str(exc), "shutting_down") from None
+        except UnknownAdapterError as exc:  # unloaded since the route looked it up
+            record.error_type = "adapter_not_found"
+            raise APIError(404, str(exc), "adapter_not_found") from None
         except ValueError as exc:
             record.error_type = "validation"
             raise validation_error(str(exc)) from None
@@ -184,10 +226,11 @@ class GenerationService:
             record.end_time = time.time()
 
     async def generate_final(
-        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+        adapter: str | None = None,
     ) -> RequestOutput:
         last = None
-        async for out in self.generate(prompt, prompt_ids, params, priority):
+        async for out in self.generate(prompt, prompt_ids, params, priority, adapter=adapter):
             last = out
         assert last is not None and last.finished
         return last

@@ -281,7 +281,7 @@ BAD_INPUTS = [
     ("top_n_tokens string", "/generate", J({"inputs": "x", "parameters": {"top_n_tokens": "3"}}).encode(), None, 422, "validation"),
     ("decoder_input_details not bool", "/generate", J({"inputs": "x", "parameters": {"decoder_input_details": "yes"}}).encode(), None, 422, "validation"),
     ("decoder_input_details streamed", "/generate_stream", J({"inputs": "x", "parameters": {"decoder_input_details": True}}).encode(), None, 422, "validation"),
-    ("adapter_id not yet", "/generate", J({"inputs": "x", "parameters": {"adapter_id": "lora"}}).encode(), None, 422, "validation"),
+    ("adapter_id with adapters off", "/generate", J({"inputs": "x", "parameters": {"adapter_id": "lora"}}).encode(), None, 404, "adapter_not_found"),
     ("repetition_penalty zero", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": 0}}).encode(), None, 422, "validation"),
     ("repetition_penalty negative", "/generate", J({"inputs": "x", "parameters": {"repetition_penalty": -1.5}}).encode(), None, 422, "validation"),
     ("typical_p 1.5", "/generate", J({"inputs": "x", "parameters": {"typical_p": 1.5}}).encode(), None, 422, "validation"),

@@ -78,13 +78,19 @@ class CommonRoutes:
             }
         )
 
-    @documented(summary="The served model (OpenAI list shape)", tag="OpenAI")
+    @documented(summary="The served model and its LoRA adapters (OpenAI list shape, vLLM's fields)", tag="OpenAI")
     async def models(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": self.service.info.model_id, "object": "model", "created": self.service.info.created, "owned_by": "ember"}
-                ],
-            }
-        )
+        """The base model first, then each loaded adapter with the base as its ``parent``
+        (or the base_model_name --lora-modules gave it) and its path as ``root``."""
+        s = self.service
+        base = {
+            "id": s.info.model_id, "object": "model", "created": s.info.created, "owned_by": "ember",
+            "root": s.model_info.model or s.model_info.model_dir, "parent": None,
+            "max_model_len": s.limits.max_total_tokens,
+        }
+        adapters = [
+            {"id": name, "object": "model", "created": s.info.created, "owned_by": "ember", "root": adapter.path,
+             "parent": s.adapter_parents.get(name, s.info.model_id)}
+            for name, adapter in s.client.adapters().items()
+        ]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})

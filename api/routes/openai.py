@@ -3,7 +3,9 @@
 base (sampling fields to `SamplingParams`, admission, streaming, failures), and the
 response pieces (choices, usage, logprobs).
 
-One model is served, so `model` is echoed back whatever it names (as TGI does).
+`model` selects a LoRA adapter by its name (`GenerationService.adapter_for_model`);
+the served model's name is the base model, another name a 404. With adapters off any
+name is the base model (as TGI does); it is echoed back either way.
 A constrained request (structured outputs, a forced tool call) waits for its first
 engine output before answering, streams included, so that a grammar that fails to
 compile is a 400 (`ember.api.structured_outputs`). On chat, a tool-call parser
@@ -51,6 +53,7 @@ class Job:
     echo: str = ""  # text put before the generated text (`echo`)
     priority: int = 0
     constraint_param: str | None = None  # the field its constraint came from (named by a 400)
+    adapter: str | None = None  # the LoRA adapter it runs under; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +245,11 @@ class OpenAIRoutes:
         return Reply(f"{prefix}-{uuid.uuid4().hex}", object_name, int(time.time()), body.model,
                       self.system_fingerprint, include_usage)
 
+    def _generate(self, job: Job, kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+        """The service's outputs for one job (its adapter named only when it has one)."""
+        adapter = {"adapter": job.adapter} if job.adapter is not None else {}
+        return self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind, **adapter)
+
     async def _outputs(
         self, jobs: list[Job], kind: OutputKind = OutputKind.CUMULATIVE
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -254,9 +262,7 @@ class OpenAIRoutes:
             # one prompt, one sample (the usual chat request): no task or queue between
             # the engine's stream and the response
             job = jobs[0]
-            async with aclosing(
-                self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind)
-            ) as outs:
+            async with aclosing(self._generate(job, kind)) as outs:
                 async for out in outs:
                     yield job.index, out
             return
@@ -265,9 +271,7 @@ class OpenAIRoutes:
         async def pump(job: Job) -> None:
             k = job.params.num_samples
             try:
-                async with aclosing(
-                    self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind)
-                ) as outs:
+                async with aclosing(self._generate(job, kind)) as outs:
                     async for out in outs:
                         queue.put_nowait((job.index * k + out.index, choice_view(out)))
             except Exception as exc:
@@ -293,7 +297,7 @@ class OpenAIRoutes:
 
         async def final(job: Job) -> RequestOutput:
             last = None
-            async with aclosing(self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority)) as outs:
+            async with aclosing(self._generate(job)) as outs:
                 async for last in outs:
                     pass
             return last

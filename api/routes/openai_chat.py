@@ -21,16 +21,16 @@ from ember.api.errors import (
     validation_error,
 )
 from ember.api.http import read_model
-from ember.api.openapi import documented
+from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.routes.openai import (
     DONE_EVENT,
-    OpenAIRoutes,
     Job,
+    OpenAIRoutes,
     Pending,
     Reply,
-    top_logprob,
     check_not_yet,
     finish_reason,
+    top_logprob,
     usage,
 )
 from ember.api.schemas import openai as oa
@@ -85,7 +85,8 @@ def chat_logprobs(service: GenerationService, out: RequestOutput, start: int, nu
 
 class ChatRoutes(OpenAIRoutes):
     @documented(summary="Chat completions (OpenAI)", tag="OpenAI", request=oa.ChatCompletionRequest,
-                response=oa.ChatCompletionResponse, streams=True, error_model=oa.ErrorResponse)
+                response=oa.ChatCompletionResponse, streams=True, error_model=oa.ErrorResponse,
+                errors=GENERATION_ERRORS)
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await read_model(request, oa.ChatCompletionRequest)
@@ -124,6 +125,7 @@ class ChatRoutes(OpenAIRoutes):
             raise bad_request(str(exc), param) from None
 
     def _chat_job(self, body: oa.ChatCompletionRequest) -> tuple[Job, ToolSetup]:
+        adapter = self.service.adapter_for_model(body.model)
         check_not_yet(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise validation_error("`top_logprobs` needs `logprobs: true`", "top_logprobs")
@@ -148,7 +150,7 @@ class ChatRoutes(OpenAIRoutes):
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
         self.service.validate(ids, params)
-        return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param), setup
+        return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param, adapter=adapter), setup
 
     def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
         return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None

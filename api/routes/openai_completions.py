@@ -21,11 +21,11 @@ from ember.api.errors import (
     validation_error,
 )
 from ember.api.http import read_model
-from ember.api.openapi import documented
+from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.routes.openai import (
     DONE_EVENT,
-    OpenAIRoutes,
     Job,
+    OpenAIRoutes,
     Pending,
     Reply,
     check_not_yet,
@@ -61,7 +61,8 @@ def completion_logprobs(service: GenerationService, out: RequestOutput, start: i
 
 class CompletionRoutes(OpenAIRoutes):
     @documented(summary="Completions (OpenAI)", tag="OpenAI", request=oa.CompletionRequest,
-                response=oa.CompletionResponse, streams=True, error_model=oa.ErrorResponse)
+                response=oa.CompletionResponse, streams=True, error_model=oa.ErrorResponse,
+                errors=GENERATION_ERRORS)
     async def completions(self, request: Request) -> Response:
         try:
             body = await read_model(request, oa.CompletionRequest)
@@ -90,6 +91,7 @@ class CompletionRoutes(OpenAIRoutes):
         return JSONResponse(response.model_dump())
 
     def _completion_jobs(self, body: oa.CompletionRequest) -> list[Job]:
+        adapter = self.service.adapter_for_model(body.model)
         check_not_yet(body)
         if body.suffix:
             raise not_available("suffix", "issue 4 (suffix)")
@@ -110,7 +112,7 @@ class CompletionRoutes(OpenAIRoutes):
             params = self._params(body, max_tokens, constraint)
             self.service.validate(ids, params)
             echo = "" if not body.echo else text if text is not None else self.service.client.decode(ids)
-            jobs.append(Job(index, text, ids, params, echo, body.priority, param))
+            jobs.append(Job(index, text, ids, params, echo, body.priority, param, adapter))
         return jobs
 
     def _prompts(self, prompt: str | list) -> list[tuple[str | None, list[int], str]]:

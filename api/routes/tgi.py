@@ -4,6 +4,8 @@
 output (`ember.api.structured_outputs`); as on the OpenAI routes, a constrained request
 waits for its first engine output before answering, so a grammar that fails to compile
 is a 400. TGI's chat route is the OpenAI one (/v1/chat/completions), tools included.
+`parameters.adapter_id` selects a LoRA adapter by its name (null: the base model; a name
+not loaded: 404, `GenerationService.adapter_for_id`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from starlette.routing import Route
 
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
-from ember.api.openapi import documented
+from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService, with_watermark
 from ember.api.structured_outputs import failure, tgi_constraint
@@ -28,9 +30,7 @@ from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
-NOT_YET = {
-    "adapter_id": (None, "a LoRA adapters issue"),
-}
+NOT_YET: dict = {}
 NEUTRAL: dict = {}
 
 
@@ -143,7 +143,7 @@ class TGIRoutes:
 
     # -- /generate --------------------------------------------------------------
     @documented(summary="Generate text (TGI)", tag="TGI", request=tgi.GenerateRequest,
-                response=tgi.GenerateResponse, error_model=tgi.ErrorResponse)
+                response=tgi.GenerateResponse, error_model=tgi.ErrorResponse, errors=GENERATION_ERRORS)
     async def generate(self, request: Request) -> Response:
         try:
             body = await read_model(request, tgi.GenerateRequest)
@@ -153,10 +153,11 @@ class TGIRoutes:
 
     async def _generate(self, request: Request, body: tgi.GenerateRequest) -> Response:
         service = self.service
+        adapter = service.adapter_for_id(body.parameters.adapter_id)
         ids, params = await service.run_blocking(self._prepare, body)
         with service.admit():
             try:
-                final = service.generate_final(body.inputs, ids, params, body.parameters.priority)
+                final = service.generate_final(body.inputs, ids, params, body.parameters.priority, adapter)
                 out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
@@ -203,7 +204,7 @@ class TGIRoutes:
 
     # -- /generate_stream ----------------------------------------------------------
     @documented(summary="Generate text as server-sent events (TGI)", tag="TGI", request=tgi.GenerateRequest,
-                response=tgi.StreamResponse, streams=True, error_model=tgi.ErrorResponse)
+                response=tgi.StreamResponse, streams=True, error_model=tgi.ErrorResponse, errors=GENERATION_ERRORS)
     async def generate_stream(self, request: Request) -> Response:
         try:
             body = await read_model(request, tgi.GenerateRequest)
@@ -213,10 +214,11 @@ class TGIRoutes:
 
     async def _stream(self, body: tgi.GenerateRequest) -> Response:
         service = self.service
+        adapter = service.adapter_for_id(body.parameters.adapter_id)
         ids, params = await service.run_blocking(self._prepare, body, True)
         service.acquire()
         try:
-            outs = service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA)
+            outs = service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA, adapter)
             first = None
             if params.constraint is not None:  # a grammar that fails is a 400, before any header
                 try:
@@ -292,7 +294,7 @@ class TGIRoutes:
     # -- / (compat) -----------------------------------------------------------------
     @documented(summary="TGI compat route: /generate or /generate_stream by `stream`", tag="TGI",
                 request=tgi.CompatGenerateRequest, response=tgi.GenerateResponse, streams=True,
-                error_model=tgi.ErrorResponse)
+                error_model=tgi.ErrorResponse, errors=GENERATION_ERRORS)
     async def compat(self, request: Request) -> Response:
         try:
             body = await read_model(request, tgi.CompatGenerateRequest)

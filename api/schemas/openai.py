@@ -71,7 +71,9 @@ class StructuredOutputs(Strict):
 class SamplingFields(Strict):
     """What both routes share."""
 
-    model: str = Field(max_length=512, description="echoed back; any name is accepted (one model is served)")
+    model: str = Field(max_length=512, description="the served model's name (the base model) or a loaded LoRA "
+                       "adapter's (GET /v1/models lists them; another name is a 404); with adapters off any name is "
+                       "the base model; echoed back")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy decoding")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16, description="completions per prompt; they share the prompt's KV blocks")
@@ -321,6 +323,21 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class LoadLoRAAdapterRequest(Strict):
+    """vLLM's POST /v1/load_lora_adapter (with --enable-lora-runtime-updates)."""
+
+    lora_name: str = Field(min_length=1, max_length=200, description="the name requests select it by (`model`, "
+                           "`adapter_id`): no spaces, not a loaded adapter's or the served model's")
+    lora_path: str = Field(min_length=1, max_length=4096, description="a directory holding adapter_config.json and "
+                           "adapter_model.safetensors (PEFT's), or a Hub id (org/name)")
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    """vLLM's POST /v1/unload_lora_adapter: requests running under it finish, new ones get 404."""
+
+    lora_name: str = Field(min_length=1, max_length=200, description="a loaded adapter's name")
 
 
 class ErrorDetail(BaseModel):

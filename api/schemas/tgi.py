@@ -48,7 +48,9 @@ class GenerateParameters(Strict):
         False, description="watermark the output (Kirchenbauer et al.); the server's gamma and delta, "
         "or extra.watermark's; detect with POST /watermark/detect"
     )
-    adapter_id: str | None = Field(None, description="not available yet")
+    adapter_id: str | None = Field(None, description="a loaded LoRA adapter's name (LORA_ADAPTERS, --lora-modules, "
+                                   "POST /v1/load_lora_adapter; another name is a 404); null or the served "
+                                   "model's name: the base model")
     priority: int = Field(
         0, ge=-(2**31), le=2**31 - 1,
         description="Ember extension: lower runs first and is preempted last; equal priorities are first come, first served",
