@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.kv_cache_dtype
 MODEL_IMPLS = ("auto", "ember", "transformers")  # EngineConfig.model_impl
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.lora_dtype
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the adapters' weights in the model (vLLM's --lora-dtype): "auto" is the compute dtype,
+    # except bfloat16 beside quantized base weights computed in float32 (a 4-bit base's
+    # own rounding is far larger; a batch-1 decode then streams half the adapter bytes)
+    lora_dtype: str = "auto"
 
     @property
     def lora_enabled(self) -> bool:
@@ -235,6 +240,8 @@ class EngineConfig:
         cpu = self.max_cpu_loras
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if self.lora_enabled:

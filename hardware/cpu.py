@@ -296,6 +296,15 @@ class CPUBackend(BaseBackend):
         kernels = self._kernels()
         return kernels.greedy if kernels is not None else None
 
+    # the native LoRA kernel reads the step's slots from the engine's buffer: CPU graphs record it
+    lora_op_in_graphs = True
+
+    def lora_op(self):
+        """The native kernel (every adapter of a step in one call per linear, recorded in CPU
+        graphs); None with native=false: PyTorch's products per run of tokens."""
+        kernels = self._kernels()
+        return kernels.lora if kernels is not None else None
+
     def create_attention(self) -> BaseAttention:
         return CPUAttention(self._kernels(), row_invariant=self.batch_invariant,
                             decode_group_bytes=self.options.decode_group_bytes)

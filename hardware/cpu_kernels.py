@@ -150,6 +150,8 @@ class NativeKernels:
                                               [vp, i64] + [vp] * 5 + [i64] * 7 + [cf, ci, ci, i64, cf], ci)
         self._kv_write = NativeFunction(lib, "ember_kv_write", [vp, vp, i64, vp, i64, vp, vp, i64, i64, ci, ci, ci], ci)
         self._embedding = NativeFunction(lib, "ember_embedding", [vp, i64, i64, vp, i64, vp], ci)
+        self._lora = _typed(lib, "ember_lora", [vp, i64, vp, i64, vp, vp, vp, vp] + [i64] * 5 + [ci], restype=ci)
+        self._lora_w16 = NativeFunction(lib, "ember_lora_w16", [vp, i64, vp, i64, vp, vp, vp, vp] + [i64] * 5 + [ci], ci)
         # a CPU graph's replay (ember.hardware.cpu_graphs): records, count, &failed index
         self.replay = NativeFunction(lib, "ember_replay", [vp, i64, vp], ci)
 
@@ -303,6 +305,37 @@ class NativeKernels:
             torch.get_num_threads(),
         )
         return x
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, token_slots: torch.Tensor,
+             rank: int, slot_ranks: torch.Tensor | None = None) -> None:
+        """``BaseBackend.lora_op``: ``y[t] += (x[t] @ A_s.T) @ Bt_s`` in place for every token
+        ``t`` of slot ``s = token_slots[t] >= 0`` (``rank`` rows of ``a`` and ``bt`` per slot;
+        ``slot_ranks[s]``: the rows of slot ``s`` in use, the rest zero and skipped). ``x`` and
+        ``y`` may be row-strided views; float32 or bfloat16 throughout, or bfloat16 ``a`` and
+        ``bt`` beside float32 ``x`` and ``y``."""
+        T, K = x.shape
+        N = y.shape[1]
+        dtype = x.dtype
+        wide = dtype == torch.float32 and a.dtype == torch.bfloat16
+        if (dtype not in KERNEL_DTYPES or y.dtype != dtype or a.dtype != (torch.bfloat16 if wide else dtype)
+                or bt.dtype != a.dtype
+                or y.shape[0] != T or x.stride(1) != 1 or y.stride(1) != 1 or a.dim() != 2 or a.shape[1] != K
+                or not a.is_contiguous() or not bt.is_contiguous() or bt.shape != (a.shape[0], N)
+                or rank < 1 or a.shape[0] % rank or token_slots.dtype != torch.int64 or token_slots.shape[0] < T):
+            raise ValueError(f"lora: x {dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}, a {a.dtype} "
+                             f"{tuple(a.shape)}, bt {bt.dtype} {tuple(bt.shape)}, rank {rank}, slots "
+                             f"{token_slots.dtype} {tuple(token_slots.shape)} do not fit")
+        S = a.shape[0] // rank
+        if slot_ranks is None:
+            slot_ranks = torch.full((S,), rank, dtype=torch.int64)
+        if slot_ranks.dtype != torch.int64 or slot_ranks.shape != (S,):
+            raise ValueError(f"lora: slot_ranks must be int64 ({S},), got {slot_ranks.dtype} {tuple(slot_ranks.shape)}")
+        rc = (self._lora_w16 if wide else self._lora[dtype])(
+                               x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), bt.data_ptr(),
+                               token_slots.data_ptr(), slot_ranks.data_ptr(), T, K, N, rank, S,
+                               torch.get_num_threads())
+        if rc:
+            raise ValueError(f"lora: a token's slot is outside 0..{S - 1} or a slot uses more than {rank} rows")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` (T, 2 I) = [gate | up]."""

@@ -92,11 +92,12 @@ def block_sizes(rank: int) -> dict[str, int]:
 
 
 def lora_op(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-            token_slots: torch.Tensor, rank: int) -> None:
+            token_slots: torch.Tensor, rank: int, slot_ranks: torch.Tensor | None = None) -> None:
     """``y`` (T, out) += each token's LoRA product, in place (the module docstring; the
     contract of ``BaseBackend.lora_op``). ``x`` (T, in); ``a`` (slots * rank, in) and ``bt``
     (slots * rank, out) with the scale folded into ``bt``; ``token_slots`` (T,) int64, -1 for
-    the base model. ``x`` and ``y`` may be row-strided views; nothing is read back to the host."""
+    the base model. ``x`` and ``y`` may be row-strided views; nothing is read back to the host.
+    ``slot_ranks`` (the rows of each slot in use) is not read: the rows past them are zero."""
     num_tokens, k = x.shape
     n = y.shape[1]
     if (y.shape[0] != num_tokens or token_slots.shape != (num_tokens,) or rank < 1 or a.shape[1] != k

@@ -20,7 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ember.engine.client import AdapterInfo, LoRAInfo
+from ember.models.layers import Linear
 from ember.models.lora import AdapterModel, attach_adapters
 from ember.plugin.adapter import AdapterError, AdapterWeights, BaseAdapterKind, UnknownAdapterError, read_adapter
 
@@ -160,19 +163,29 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
+def lora_dtype(name: str, model) -> torch.dtype:
+    """The adapters' weight dtype for ``EngineConfig.lora_dtype`` on ``model``."""
+    if name != "auto":
+        return getattr(torch, name)
+    quantized = any(isinstance(m, Linear) and m.is_quantized for m in model.modules())
+    return torch.bfloat16 if quantized and model.compute_dtype == torch.float32 else model.compute_dtype
+
+
 def create_adapters(config, model, backend, kinds) -> tuple[AdapterRegistry | None, AdapterModel | None]:
     """For an engine with adapters on (``config.lora_enabled``): ``model``'s linears given
     their slots, and the registry holding the adapters of ``config.lora_modules`` (an
     `AdapterError` at start for one that cannot serve); (None, None) when adapters are off."""
     if not config.lora_enabled:
         return None, None
-    adapter_model = attach_adapters(model, config.max_loras, config.max_lora_rank, model.compute_dtype,
-                                    backend.device, backend.lora_op())
+    dtype = lora_dtype(config.lora_dtype, model)
+    adapter_model = attach_adapters(model, config.max_loras, config.max_lora_rank, dtype,
+                                    backend.device, backend.lora_op(), backend.lora_op_in_graphs, config.max_num_seqs)
     registry = AdapterRegistry({name: kind() for name, kind in kinds.items()}, adapter_model.shapes(),
                                config.max_lora_rank, config.max_cpu_loras or config.max_loras)
     for name, path in config.lora_modules:
         registry.add(name, path)
-    logger.info("LoRA: %d adapter slot(s) of rank <= %d; %s products", config.max_loras, config.max_lora_rank,
+    logger.info("LoRA: %d adapter slot(s) of rank <= %d in %s; %s products", config.max_loras, config.max_lora_rank,
+                str(dtype).removeprefix("torch."),
                 "the backend's batched op" if adapter_model.op is not None else "PyTorch's")
     return registry, adapter_model
 

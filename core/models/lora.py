@@ -3,19 +3,22 @@
 `attach_adapters(model, max_slots, max_rank)` gives every adaptable ``Linear`` of a model
 (its projections; not the LM head, nor MoE experts) a `LinearAdapters`: for each of
 ``max_slots`` adapter slots a stacked low-rank pair, ``a`` (slots * stride, in) and
-``bt`` (slots * stride, out), where a slot's ``stride = parts * max_rank`` rows hold one
-block per part of a fused projection (qkv, gate/up: each part's ``A`` in its block of
-``a``, its ``B`` (scale folded in) in its block's rows of ``bt`` at that part's output
-columns, zeros elsewhere), so one product per slot serves the fused module. Updates that
-are not low-rank are kept per slot and applied as they are.
+``bt`` (slots * stride, out), a slot's ``stride = parts * max_rank`` rows holding the
+parts of a fused projection (qkv, gate/up) one after another (each part's ``A`` in its
+rows of ``a``, its ``B`` (scale folded in) in those rows of ``bt`` at that part's output
+columns, zeros elsewhere; ``used[s]`` rows in use, the rest zero), so one product per
+slot serves the fused module. Updates that are not low-rank are kept per slot and
+applied as they are.
 
 A step (`AdapterStep`, set by the runner) is the flat batch's runs of tokens of one slot,
-the requests grouped by adapter by the scheduler: for each run the CPU path adds
-``(x[run] @ a_s.T) @ bt_s`` to ``y[run]`` in place (two products; Punica's SGMV by
-segments), and a run covering every token multiplies the whole batch without a slice. A
-backend with a ``lora_op`` (the Triton kernel of the device backends) gets the per-token
-slot tensor instead and does all slots in one launch. Tokens of the base model (slot -1)
-are untouched.
+the requests grouped by adapter by the scheduler. A backend with a ``lora_op`` (the
+CPU's native kernel, the device backends' Triton kernels) gets each token's slot and
+does every slot in one call per linear; where the op may run inside graphs
+(``BaseBackend.lora_op_in_graphs``) the slots live in one buffer kept in place and the op
+runs on every step, so a captured decode step holds it. Without an op, each run adds
+``(x[run] @ a_s.T) @ bt_s`` to ``y[run]`` in place (two PyTorch products; Punica's SGMV
+by segments; a run covering every token needs no slice). Tokens of the base model
+(slot -1) are untouched.
 
 The built-in adapter kind, LoRA (PEFT's ``LORA``: ``ember.weights.peft``), is registered
 here through Ember's own ``ember`` entry point.
@@ -45,6 +48,8 @@ class AdapterStep:
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     num_tokens: int = 0
     token_slots: torch.Tensor | None = None
+    # run the op even without runs: a graph being captured records it (the state before any step)
+    record: bool = False
 
 
 class LinearAdapters:
@@ -60,6 +65,8 @@ class LinearAdapters:
         out = sum(linear.output_sizes)
         self.a = torch.zeros(max_slots * self.stride, linear.in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(max_slots * self.stride, out, dtype=dtype, device=device)
+        self.used = torch.zeros(max_slots, dtype=torch.int64, device=device)  # rows of each slot in use
+        self.used_rows = [0] * max_slots  # the same, for Python
         self.low_rank = [False] * max_slots  # slot holds a low-rank update here
         self.other: list[list[AdapterUpdate | None] | None] = [None] * max_slots  # per slot, per part
 
@@ -71,7 +78,7 @@ class LinearAdapters:
         self.low_rank[slot] = False
         self.other[slot] = None
         others: list[AdapterUpdate | None] = [None] * self.parts
-        col = 0
+        col, row = 0, slot * self.stride
         for index, (size, update) in enumerate(zip(self.linear.output_sizes, parts)):
             if update is not None:
                 factors = update.low_rank()
@@ -80,11 +87,12 @@ class LinearAdapters:
                 else:
                     a, b = factors
                     rank = a.shape[0]
-                    row = slot * self.stride + index * self.max_rank
                     self.a[row : row + rank] = a.to(self.a.dtype)
                     self.bt[row : row + rank, col : col + size] = b.T.to(self.bt.dtype)
                     self.low_rank[slot] = True
+                    row += rank
             col += size
+        self.used[slot] = self.used_rows[slot] = row - slot * self.stride
         if any(u is not None for u in others):
             self.other[slot] = others
 
@@ -94,18 +102,22 @@ class LinearAdapters:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the step's updates to ``y`` (the linear's output for input ``x``), in place where it can."""
         step = self.owner.step
-        if not step.runs:
-            return y
         op = self.owner.op
         stride = self.stride
-        if op is not None:
-            op(y, x, self.a, self.bt, step.token_slots, stride)
+        if op is not None and step.token_slots is not None and (
+                step.runs or (step.record and x.shape[0] <= step.token_slots.shape[0])):  # every slot, one call
+            op(y, x, self.a, self.bt, step.token_slots[: x.shape[0]], stride, self.used)
+        if not step.runs:
+            return y
         everyone = len(step.runs) == 1 and step.runs[0][1] == 0 and step.runs[0][2] == step.num_tokens
         for slot, start, end in step.runs:
             xs, ys = (x, y) if everyone else (x[start:end], y[start:end])
             if op is None and self.low_rank[slot]:
-                s = slice(slot * stride, (slot + 1) * stride)
-                ys.addmm_(F.linear(xs, self.a[s]), self.bt[s])
+                s = slice(slot * stride, slot * stride + self.used_rows[slot])
+                a, bt = self.a[s], self.bt[s]
+                if a.dtype != xs.dtype:  # adapters kept in another dtype (EngineConfig.lora_dtype)
+                    a, bt = a.to(xs.dtype), bt.to(xs.dtype)
+                ys.addmm_(F.linear(xs, a), bt)
             others = self.other[slot]
             if others is not None:
                 col = 0
@@ -120,7 +132,8 @@ class AdapterModel:
     """A model's adaptable linears (by checkpoint name: ``(LinearAdapters, part)``), the
     step's runs, and the backend's batched op."""
 
-    def __init__(self, model, max_slots: int, max_rank: int, dtype: torch.dtype, device, op=None) -> None:
+    def __init__(self, model, max_slots: int, max_rank: int, dtype: torch.dtype, device, op=None,
+                 op_in_graphs: bool = False, max_step_slots: int = 256) -> None:
         if max_slots < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_slots}) and max_lora_rank ({max_rank}) must be >= 1")
         try:
@@ -130,7 +143,11 @@ class AdapterModel:
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.op = op
-        self.step = AdapterStep()
+        # with an op that runs inside graphs: the slots of every step with at most
+        # max_step_slots tokens (decodes, the graphs' sizes) in this one buffer, -1 past them
+        self.slots_buffer = (torch.full((max_step_slots,), -1, dtype=torch.int64, device=device)
+                             if op is not None and op_in_graphs else None)
+        self.step = AdapterStep(token_slots=self.slots_buffer, record=True)
         self.layers: dict[int, LinearAdapters] = {}  # id(linear) -> its slots
         self.targets: dict[str, tuple[LinearAdapters, int]] = {}
         for name, (linear, index) in parts.items():
@@ -172,17 +189,34 @@ class AdapterModel:
     def set_step(self, runs: list[tuple[int, int, int]], num_tokens: int, device=None) -> None:
         """The next forward's runs of adapter tokens (``(slot, start, end)``, slots >= 0)."""
         token_slots = None
-        if runs and self.op is not None:
+        if self.op is not None and (runs or self.slots_buffer is not None):
             slots = torch.full((num_tokens,), -1, dtype=torch.int64)
             for slot, start, end in runs:
                 slots[start:end] = slot
-            token_slots = slots.to(device) if device is not None else slots
+            buffer = self.slots_buffer
+            if buffer is not None and num_tokens <= buffer.shape[0]:
+                buffer[num_tokens:].fill_(-1)
+                buffer[:num_tokens].copy_(slots)
+                token_slots = buffer
+            else:
+                token_slots = slots.to(device) if device is not None else slots
         self.step = AdapterStep(runs, num_tokens, token_slots)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether the step's adapter products may run in a captured graph: the op runs
+        there and no slot of the step holds an update it does not cover."""
+        if self.slots_buffer is None or self.step.token_slots is not self.slots_buffer:
+            return False
+        slots = {slot for slot, _, _ in self.step.runs}
+        return not any(layer.other[s] is not None for layer in self.layers.values() for s in slots)
 
-def attach_adapters(model, max_slots: int, max_rank: int, dtype: torch.dtype, device=None, op=None) -> AdapterModel:
-    """Give ``model``'s adaptable linears ``max_slots`` adapter slots of rank up to ``max_rank``."""
-    return AdapterModel(model, max_slots, max_rank, dtype, device, op)
+
+def attach_adapters(model, max_slots: int, max_rank: int, dtype: torch.dtype, device=None, op=None,
+                    op_in_graphs: bool = False, max_step_slots: int = 256) -> AdapterModel:
+    """Give ``model``'s adaptable linears ``max_slots`` adapter slots of rank up to ``max_rank``
+    (``op``: the backend's ``lora_op``; ``op_in_graphs``: it may run inside its graphs)."""
+    return AdapterModel(model, max_slots, max_rank, dtype, device, op, op_in_graphs, max_step_slots)
 
 
 # -- the built-in kind -------------------------------------------------------------------------------------------

@@ -274,19 +274,25 @@ class BaseBackend(ABC):
         to float rounding (the conformance check compares them)."""
         return F.linear
 
+    # whether ``lora_op`` may run inside this backend's graphs (``graph_capture``): it then
+    # reads each step's token slots from a buffer the engine keeps in place (CPU graphs
+    # record the native kernel); False: steps with adapter tokens run eagerly
+    lora_op_in_graphs: ClassVar[bool] = False
+
     def lora_op(self) -> Callable[..., None] | None:
         """A batched LoRA product for the adapter slots of one step, or None (the
         default: PyTorch's matrix products per run of tokens of one adapter,
-        ``ember.models.lora``). ``op(y, x, a, bt, token_slots, rank)`` adds in place,
-        for every token ``t`` whose ``s = token_slots[t]`` is not -1::
+        ``ember.models.lora``). ``op(y, x, a, bt, token_slots, rank, slot_ranks)`` adds in
+        place, for every token ``t`` whose ``s = token_slots[t]`` is not -1::
 
             y[t] += (x[t] @ a[s * rank : (s + 1) * rank].T) @ bt[s * rank : (s + 1) * rank]
 
-        ``y`` (T, out) and ``x`` (T, in) in the compute dtype, ``a`` (slots * rank, in)
-        and ``bt`` (slots * rank, out) in the compute dtype (the scale is folded into
-        ``bt``; unused ranks are zero rows), ``token_slots`` (T,) int64 on the device.
-        It must agree with those products to float rounding (Punica's BGMV, vLLM's
-        LoRA shrink/expand kernels)."""
+        ``y`` (T, out) and ``x`` (T, in) in the compute dtype (row-strided views allowed),
+        ``a`` (slots * rank, in) and ``bt`` (slots * rank, out) in the compute dtype (the
+        scale is folded into ``bt``), ``token_slots`` (T,) int64 on the device,
+        ``slot_ranks`` (slots,) int64: the rows of each slot in use (the rest are zero; an
+        op may skip them). It must agree with those products to float rounding (Punica's
+        BGMV, vLLM's LoRA shrink/expand kernels)."""
         return None
 
     def quantized_linear_op(self, format: str, compute_dtype: torch.dtype):

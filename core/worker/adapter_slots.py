@@ -36,9 +36,10 @@ class AdapterSlots:
 
     def prepare(self, adapter_ids: Sequence[int], query_lens: Sequence[int]) -> bool:
         """Seat the step's adapters and set its runs on the model (``adapter_ids[i]`` of
-        the i-th request of the batch, ``query_lens[i]`` its tokens); whether it has any."""
+        the i-th request of the batch, ``query_lens[i]`` its tokens); whether the step
+        has adapter tokens that a captured graph cannot compute (it then runs eagerly)."""
         if not any(adapter_ids):
-            if self.model.step.runs:
+            if self.model.step.runs or self.model.step.record:
                 self.model.set_step([], 0)
             return False
         wanted = {a for a in adapter_ids if a}
@@ -58,7 +59,7 @@ class AdapterSlots:
                     runs.append((slot, start, start + n))
             start += n
         self.model.set_step(runs, start, self.device)
-        return True
+        return not self.model.graph_safe
 
     def _seat(self, adapter_id: int, wanted: set[int]) -> None:
         if self.free_slots:

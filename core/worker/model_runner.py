@@ -374,7 +374,7 @@ class ModelRunner:
         input_ids, positions, attention_batch = batch.gather(requests, query_lens)
         graphs = self.graphs
         if self.adapter_slots is not None and self.adapter_slots.prepare([r.adapter_id for r in requests], query_lens):
-            graphs = None  # the step has adapter tokens: graphs hold the base model's products only
+            graphs = None  # adapter tokens a captured graph cannot compute: eager
         if graphs is not None and num_flat == len(requests) <= graphs.max_size:  # one token each: decodes
             hidden = graphs.run(input_ids, positions, attention_batch)
         else:

@@ -9,6 +9,7 @@
  *                                 norms in place, GeGLU, the embedding's scale
  *   ember_kv_write, ember_embedding              a step's K/V into the paged cache (float32, bf16
  *                                 or float16 there); token rows
+ *   ember_lora                    a step's LoRA products, each token under its adapter slot
  *   ember_replay                  runs a CPU graph: recorded calls of these kernels (and of
  *                                 ember_quant.c's), through their X__packed forms
  *
@@ -657,6 +658,91 @@ int ember_embedding(const char *table, int64_t V, int64_t row_bytes, const int64
     return 0;
 }
 
+/* ember_lora: the LoRA products of one step (BaseBackend.lora_op): for every token t of
+ * x (T, K) whose slot s = slots[t] is not negative,
+ *     y[t] += (x[t] @ a[s R : s R + used[s]].T) @ bt[s R : s R + used[s]]
+ * with a (S R, K) and bt (S R, N) (a slot's rows past used[s] are zero and skipped), x and
+ * y rows x_stride / y_stride elements apart (views of a fused projection), float32 or
+ * bf16 (every tensor, or bf16 a and bt beside float32 x and y: _w16; products in float32,
+ * y rounded once). Two passes: each token's
+ * used[s] dot products over K into a float buffer, then its y row in blocks of 64
+ * columns, 8 accumulators over the ranks (bt read a row at a time). The step's tokens
+ * come grouped by adapter, so a slot's A and B stay in the cache across its tokens.
+ * Returns 1 (nothing written) for a slot outside 0..S-1 or a used count above R. */
+INLINE int lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *a, const void *bt,
+                const int64_t *slots, const int64_t *used, int64_t T, int64_t K, int64_t N, int64_t R, int64_t S,
+                int nthreads, int bf16, int wbf16) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= S || (slots[t] >= 0 && (used[slots[t]] < 0 || used[slots[t]] > R))) return 1;
+    float *tmp = attention_scores(T * R + 1);
+    if (!tmp) return 2;
+    const int64_t blocks = (N + 63) / 64;
+    /* one parallel region (its start costs microseconds, 240 times a step): the ranks,
+     * a barrier, then the output blocks */
+    #pragma omp parallel num_threads(nthreads) if (T * blocks > 4)
+    {
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * R; ++i) {
+        const int64_t t = i / R, r = i % R, s = slots[t];
+        if (s < 0 || r >= used[s]) continue;
+        const int64_t row = (s * R + r) * K, xo = t * x_stride;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            acc0 = _mm256_fmadd_ps(ld8(a, row + k, wbf16), ld8(x, xo + k, bf16), acc0);
+            acc1 = _mm256_fmadd_ps(ld8(a, row + k + 8, wbf16), ld8(x, xo + k + 8, bf16), acc1);
+        }
+        for (; k + 8 <= K; k += 8) acc0 = _mm256_fmadd_ps(ld8(a, row + k, wbf16), ld8(x, xo + k, bf16), acc0);
+        float d = hsum(_mm256_add_ps(acc0, acc1));
+        for (; k < K; ++k) d += ld1(a, row + k, wbf16) * ld1(x, xo + k, bf16);
+        tmp[t * R + r] = d;
+    }
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * blocks; ++i) {
+        const int64_t t = i / blocks, n0 = (i % blocks) * 64, s = slots[t];
+        if (s < 0) continue;
+        const int64_t yo = t * y_stride + n0, n1 = n0 + 64 <= N ? n0 + 64 : N;
+        const float *u = tmp + t * R;
+        if (n1 - n0 == 64) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = ld8(y, yo + 8 * j, bf16);
+            for (int64_t r = 0; r < used[s]; ++r) {
+                const __m256 ur = _mm256_set1_ps(u[r]);
+                const int64_t row = (s * R + r) * N + n0;
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(ur, ld8(bt, row + 8 * j, wbf16), acc[j]);
+            }
+            for (int j = 0; j < 8; ++j) st8(y, yo + 8 * j, acc[j], bf16);
+        } else {
+            for (int64_t n = n0; n < n1; ++n) {
+                float v = ld1(y, t * y_stride + n, bf16);
+                for (int64_t r = 0; r < used[s]; ++r) v += u[r] * ld1(bt, (s * R + r) * N + n, wbf16);
+                st1(y, t * y_stride + n, v, bf16);
+            }
+        }
+    }
+    }
+    return 0;
+}
+
+int ember_lora(const float *x, int64_t x_stride, float *y, int64_t y_stride, const float *a, const float *bt,
+               const int64_t *slots, const int64_t *used, int64_t T, int64_t K, int64_t N, int64_t R, int64_t S,
+               int nthreads) {
+    return lora(x, x_stride, y, y_stride, a, bt, slots, used, T, K, N, R, S, nthreads, 0, 0);
+}
+
+/* float32 activations, bf16 adapter weights (beside a quantized base: half the bytes a decode streams) */
+int ember_lora_w16(const float *x, int64_t x_stride, float *y, int64_t y_stride, const uint16_t *a,
+                   const uint16_t *bt, const int64_t *slots, const int64_t *used, int64_t T, int64_t K, int64_t N,
+                   int64_t R, int64_t S, int nthreads) {
+    return lora(x, x_stride, y, y_stride, a, bt, slots, used, T, K, N, R, S, nthreads, 0, 1);
+}
+
+int ember_lora_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const uint16_t *a,
+                    const uint16_t *bt, const int64_t *slots, const int64_t *used, int64_t T, int64_t K, int64_t N,
+                    int64_t R, int64_t S, int nthreads) {
+    return lora(x, x_stride, y, y_stride, a, bt, slots, used, T, K, N, R, S, nthreads, 1, 1);
+}
+
 /* ---- CPU graphs (ember.hardware.cpu_graphs) ----------------------------------------
  * Every kernel a graph can record has a twin X__packed(const int64_t *a) taking its
  * arguments as one array (pointers as addresses, ints as values, a float as its
@@ -748,6 +834,19 @@ int ember_paged_decode_attention_kv16__packed(const int64_t *a) {
 }
 int ember_embedding__packed(const int64_t *a) {
     return ember_embedding(PTR(0), a[1], a[2], PTR(3), a[4], PTR(5));
+}
+
+int ember_lora__packed(const int64_t *a) {
+    return ember_lora(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), PTR(7), a[8], a[9], a[10], a[11], a[12],
+                      (int)a[13]);
+}
+int ember_lora_w16__packed(const int64_t *a) {
+    return ember_lora_w16(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), PTR(7), a[8], a[9], a[10], a[11], a[12],
+                          (int)a[13]);
+}
+int ember_lora_bf16__packed(const int64_t *a) {
+    return ember_lora_bf16(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), PTR(7), a[8], a[9], a[10], a[11],
+                           a[12], (int)a[13]);
 }
 
 /* ember_replay: n records, each [X__packed, number of arguments, arguments...], run in
