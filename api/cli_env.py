@@ -169,6 +169,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_loras": EnvOption("EMBER_MAX_LORAS", int),
     "max_lora_rank": EnvOption("EMBER_MAX_LORA_RANK", int),
     "max_cpu_loras": EnvOption("EMBER_MAX_CPU_LORAS", int),
+    "lora_dtype": EnvOption("EMBER_LORA_DTYPE", _choice(("auto", "float32", "bfloat16", "float16"))),
     "enable_lora_runtime_updates": EnvOption("EMBER_ENABLE_LORA_RUNTIME_UPDATES", _parse_bool),
 }
 
@@ -228,6 +229,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_loras": 1,
     "max_lora_rank": 16,
     "max_cpu_loras": None,  # None: --max-loras
+    "lora_dtype": "auto",
     "enable_lora_runtime_updates": False,
 }
 # TGI's variable: LoRA adapters to load at start, added to --lora-modules / EMBER_LORA_MODULES

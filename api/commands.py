@@ -116,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        lora_dtype=args.lora_dtype,
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     from ember.parallel import is_torchrun_worker, run_torchrun_worker

@@ -150,6 +150,11 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         "[EMBER_MAX_CPU_LORAS]",
     )
     group.add_argument(
+        "--lora-dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+        help="the adapters' weights in the model (vLLM's flag): auto is the compute dtype, bfloat16 beside "
+        "quantized weights computed in float32 (the default model's) [EMBER_LORA_DTYPE]",
+    )
+    group.add_argument(
         "--enable-lora-runtime-updates", action="store_true", default=None,
         help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING) [EMBER_ENABLE_LORA_RUNTIME_UPDATES]",

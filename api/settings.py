@@ -117,6 +117,7 @@ class ServerSettings:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"  # --lora-dtype (EngineConfig.lora_dtype)
     enable_lora_runtime_updates: bool = False
 
     @property
@@ -341,6 +342,7 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs.update(
             enable_lora=True, lora_modules=tuple((m.name, m.path) for m in settings.lora_modules),
             max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank, max_cpu_loras=settings.max_cpu_loras,
+            lora_dtype=settings.lora_dtype,
         )
     return kwargs
 
