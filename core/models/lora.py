@@ -123,7 +123,8 @@ class LinearAdapters:
                 col = 0
                 for size, update in zip(self.linear.output_sizes, others):
                     if update is not None:
-                        ys[:, col : col + size] = update.apply(xs, ys[:, col : col + size], self.linear)
+                        ys[:, col : col + size] = update.apply(xs, ys[:, col : col + size], self.linear,
+                                                               columns=(col, size))
                     col += size
         return y
 

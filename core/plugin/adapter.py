@@ -47,15 +47,17 @@ class UnknownAdapterError(AdapterError):
 
 
 class AdapterUpdate(ABC):
-    """One module's change under one adapter, for a module ``(in_features -> out_features)``."""
+    """One module's change under one adapter, for a module ``(in_features -> out_features)``;
+    a width the adapter does not fix (an IA3 vector scales only one side) is None, and
+    `read_adapter` checks the others against the model."""
 
     @property
     @abstractmethod
-    def in_features(self) -> int: ...
+    def in_features(self) -> int | None: ...
 
     @property
     @abstractmethod
-    def out_features(self) -> int: ...
+    def out_features(self) -> int | None: ...
 
     @property
     def rank(self) -> int:
@@ -68,10 +70,13 @@ class AdapterUpdate(ABC):
         ``y += (x @ A.T) @ B.T``; None for an update that is not low-rank."""
         return None
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, module: Any) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, module: Any,
+              columns: tuple[int, int] | None = None) -> torch.Tensor:
         """The module's new output rows: ``x`` (n, in) its input rows, ``y`` (n, out) its
         base output rows (which may be changed in place), ``module`` the
-        ``ember.models.layers.Linear`` itself (its weight, for kinds that need it).
+        ``ember.models.layers.Linear`` itself (its product, for kinds that need it), and
+        ``columns`` = (first, count): the columns of ``module``'s output that ``y`` holds
+        (one part of a fused projection: ``q_proj`` in ``qkv_proj``; None: all of them).
         The default applies the low-rank form."""
         factors = self.low_rank()
         if factors is None:
@@ -168,7 +173,7 @@ def read_adapter(kinds: Mapping[str, BaseAdapterKind], name: str, path: str | Pa
             raise AdapterError(f"adapter {name!r}: targets module {module!r}, which this model does not have "
                                f"or cannot adapt{hint}")
         got = (update.in_features, update.out_features)
-        if got != tuple(shape):
+        if any(g is not None and g != want for g, want in zip(got, shape)):
             raise AdapterError(f"adapter {name!r}: module {module!r} maps {got[0]} -> {got[1]} features but the "
                                f"model's maps {shape[0]} -> {shape[1]} (an adapter trained for another base model?)")
         if max_rank is not None and update.rank > max_rank:

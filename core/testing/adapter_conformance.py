@@ -47,7 +47,8 @@ def _check_update(kind: str, module: str, update: AdapterUpdate, shape: tuple[in
     where = f"{kind}: the update of {module!r}"
     assert isinstance(update, AdapterUpdate), f"{where} is a {type(update).__name__}, not an AdapterUpdate"
     got = (update.in_features, update.out_features)
-    assert got == tuple(shape), f"{where} maps {got[0]} -> {got[1]} features; the module maps {shape[0]} -> {shape[1]}"
+    assert any(g is not None for g in got) and all(g is None or g == w for g, w in zip(got, shape)), (
+        f"{where} maps {got[0]} -> {got[1]} features; the module maps {shape[0]} -> {shape[1]} (None: not fixed)")
     rank = update.rank
     assert isinstance(rank, int) and 0 <= rank <= RANK, f"{where} has rank {rank!r}, not in 0..max_rank {RANK}"
     factors = update.low_rank()
@@ -73,8 +74,9 @@ def _check_apply(kind: str, module: str, update: AdapterUpdate, linear, index: i
         start = sum(linear.output_sizes[:index])
         y = linear(x)[:, start : start + linear.output_sizes[index]].contiguous()
         x_before = x.clone()
-        first = update.apply(x, y.clone(), linear)
-        second = update.apply(x.clone(), y.clone(), linear)
+        columns = (start, linear.output_sizes[index])
+        first = update.apply(x, y.clone(), linear, columns=columns)
+        second = update.apply(x.clone(), y.clone(), linear, columns=columns)
     assert isinstance(first, torch.Tensor), f"{where} returned {type(first).__name__}, not the output rows"
     assert first.shape == y.shape and first.dtype == y.dtype, (
         f"{where} returned {tuple(first.shape)} {first.dtype} for output rows {tuple(y.shape)} {y.dtype}")

@@ -22,17 +22,13 @@ An update is not low rank (`IA3Update.low_rank` is None): Ember calls `IA3Update
 with the module's input rows, its output rows and the ``Linear``. Output scaling needs
 only ``y``. Input scaling needs the module's product of ``x * l``: the module's own
 ``forward`` with its adapter slots set aside for the call (so quantized, packed and
-backend products all work as for the base model), and, for a module Ember fuses with
-others (``gate_proj`` and ``up_proj`` into one ``gate_up_proj``, ``q/k/v_proj``), the
-columns of its part, found through Ember's adapter slots on the ``Linear``
-(``module.adapters.owner.targets``: Ember internals, not the plugin API; a
-`NotImplementedError` naming the module if they change). That product costs one extra
-product of the whole (fused) module per run of the adapter's tokens.
+backend products all work as for the base model), of which ``apply``'s ``columns`` (the
+part of a fused module Ember's ``gate_up_proj`` or ``qkv_proj`` this update belongs to)
+are kept. That costs one extra product of the whole (fused) module per run of the
+adapter's tokens.
 
-Known gap of the plugin API 1.2 contract: ``BaseAdapterKind.read`` is given no module
-shapes and an IA3 file holds only the width it scales, so the other width is an
-`AnyWidth` that compares equal to every width (``read_adapter``'s shape check can test
-only the scaled one); `IA3Update.apply` checks the real widths.
+An IA3 file holds only the width its vector scales: the other width of an update is
+None (not fixed), and ``read_adapter`` checks the one it has against the model.
 """
 
 from __future__ import annotations
@@ -53,29 +49,6 @@ EMBER_PLUGIN_API = ">=1.2,<2"
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.ia3_l(?:\.[^.]+)?$")
-
-
-class AnyWidth(int):
-    """The width of a module that its IA3 vector does not scale: not in the file, equal to any int."""
-
-    def __new__(cls) -> AnyWidth:
-        return super().__new__(cls, 0)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, int)
-
-    def __ne__(self, other: object) -> bool:
-        return not isinstance(other, int)
-
-    __hash__ = int.__hash__
-
-    def __repr__(self) -> str:
-        return "any"
-
-    __str__ = __repr__
-
-    def __format__(self, spec: str) -> str:
-        return "any"
 
 
 def is_feedforward(feedforward_modules: str | list[str], module: str) -> bool:
@@ -107,32 +80,20 @@ class IA3Update(AdapterUpdate):
         self._on: dict[torch.device, torch.Tensor] = {}
 
     @property
-    def in_features(self) -> int:
-        return self.vector.numel() if self.feedforward else AnyWidth()
+    def in_features(self) -> int | None:  # the width it scales; the other is not in the file
+        return self.vector.numel() if self.feedforward else None
 
     @property
-    def out_features(self) -> int:
-        return AnyWidth() if self.feedforward else self.vector.numel()
+    def out_features(self) -> int | None:
+        return None if self.feedforward else self.vector.numel()
 
     def _vector(self, like: torch.Tensor) -> torch.Tensor:
         if like.device not in self._on:
             self._on[like.device] = self.vector.to(like.device)
         return self._on[like.device]
 
-    def _part(self, module: Any, width: int) -> tuple[int, int]:
-        """The columns of this module's part of ``module``'s output (all of it unless fused)."""
-        sizes = list(getattr(module, "output_sizes", None) or [width])
-        if len(sizes) == 1:
-            return 0, sizes[0]
-        targets = getattr(getattr(getattr(module, "adapters", None), "owner", None), "targets", None) or {}
-        target = targets.get(self.module)
-        if target is None or getattr(target[0], "linear", None) is not module:
-            raise NotImplementedError(f"IA3: {self.module!r} is one part of a fused linear {sizes} and Ember's "
-                                      "adapter slots do not say which (ember_ia3 needs module.adapters.owner.targets)")
-        index = target[1]
-        return sum(sizes[:index]), sizes[index]
-
-    def apply(self, x: torch.Tensor, y: torch.Tensor, module: Any) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, module: Any,
+              columns: tuple[int, int] | None = None) -> torch.Tensor:
         n = self.vector.numel()
         scale = self._vector(x)
         if not self.feedforward:  # peft: (result * ia3_scaling).to(result.dtype)
@@ -141,7 +102,7 @@ class IA3Update(AdapterUpdate):
             return (y * scale).to(y.dtype)
         if x.shape[-1] != n:
             raise AdapterError(f"IA3 {self.module!r}: a vector of {n} for an input of {x.shape[-1]} features")
-        start, size = self._part(module, y.shape[-1])
+        start, size = columns if columns is not None else (0, y.shape[-1])
         if size != y.shape[-1]:
             raise AdapterError(f"IA3 {self.module!r}: its part has {size} outputs, the rows have {y.shape[-1]}")
         scaled = (x.to(scale.dtype) * scale).to(x.dtype)  # as peft, then the base layer on it
