@@ -276,3 +276,43 @@ def test_local_paths_are_unchanged(hub, tiny_llama_dir, tmp_path):
     shutil.copytree(tiny_llama_dir, copy)
     assert resolve_model(str(copy)) == copy
     assert hub.requests == []
+
+
+def test_a_lora_adapter_comes_from_the_hub_with_only_its_two_files(tiny_llama_dir, tmp_path, monkeypatch):
+    """A Hub id where a LoRA adapter's path goes (issue 32): only adapter_config.json and
+    adapter_model.safetensors are fetched, into the HF cache; the adapter serves as the
+    same directory does; a repository without an adapter is refused naming what it holds."""
+    import huggingface_hub.constants as hf_constants
+
+    from ember import EngineConfig
+    from ember.engine.llm_engine import LLMEngine
+    from ember.models.lora import LoRAKind
+    from ember.plugin.adapter import AdapterError
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, enable_lora=True,
+                                    max_loras=2, max_lora_rank=8))
+    local = tmp_path / "local-adapter"
+    LoRAKind().write_example(local, dict(engine.adapters.targets), rank=4, seed=3)
+    repos = {"org/tiny-lora": Repo.from_dir(local, {"README.md": b"# an adapter", "training_args.bin": b"junk"}),
+             "org/readme-only": Repo({"README.md": b"# nothing here"})}
+    with HubServer(repos) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+        engine.add_adapter("hub", "org/tiny-lora")
+        engine.add_adapter("local", str(local))
+        with pytest.raises(AdapterError, match="'none'.*no adapter_config.json, adapter_model.safetensors"):
+            engine.add_adapter("none", "org/readme-only")
+        fetched = {path for method, path, _ in server.requests if method == "GET" and "/resolve/" in path}
+    assert {p.rsplit("/", 1)[-1] for p in fetched} == {"adapter_config.json", "adapter_model.safetensors"}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for name in ("hub", "local", None):
+        engine.add_request(None, params, prompt_token_ids=[5, 9, 14, 3], request_id=str(name), adapter=name)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    assert outs["hub"] == outs["local"] != outs["None"]
