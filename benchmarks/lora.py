@@ -4,7 +4,10 @@ layer, as ``peft`` saves them) of the default model unless ``--model`` says othe
 
 1. **mixed**: 64 concurrent requests spread over 8 adapters (8 each) against 64 on the
    base model: generated tokens per second, ratio adapters / base (bar >= 0.8);
-2. **batch 1**: one request's decode with an adapter against the base (bar >= 0.85);
+2. **batch 1**: one request's decode with an adapter against the base (bar >= 0.85), for
+   an adapter on all seven projections and one on peft's default targets for Llama
+   models (``q_proj``, ``v_proj``); a batch-1 decode streams the adapter's bytes beside
+   the base's, so the ratio follows adapter bytes / base bytes;
 3. **load**: the time to read and check an adapter (``add_adapter``) and to put one in a
    slot (``AdapterSlots``);
 4. **many**: 32 adapters registered on an engine with ``--max-loras 4``; 64 requests
@@ -100,6 +103,9 @@ def main() -> int:
         for name, path in zip(names[:8], paths[:8]):
             engine.add_adapter(name, str(path))
         result["load_s_per_adapter"] = (time.perf_counter() - started) / 8
+        qv = {m: shape for m, shape in targets.items() if m.endswith(("q_proj", "v_proj"))}
+        LoRAKind().write_example(Path(tmp) / "qv", qv, rank=args.rank, seed=99)
+        engine.add_adapter("qv", str(Path(tmp) / "qv"))
         ids = prompts(llm.get_tokenizer(), 64)
 
         # 1. mixed: 64 requests over 8 adapters against 64 on the base
@@ -114,11 +120,13 @@ def main() -> int:
         result["mixed"] = {"base_tok_s": base, "adapters_tok_s": mixed, "ratio": mixed / base}
         # 2. batch 1: one decode with an adapter against the base
         one = SamplingParams(temperature=0, max_tokens=2 * args.max_tokens, ignore_eos=True)
-        b1_base = b1_adapter = 0.0
+        b1_base = b1_adapter = b1_qv = 0.0
         for _ in range(args.repeats + 1):
             b1_base = max(b1_base, best_rate(llm, ids[:1], one, [None], 1))
             b1_adapter = max(b1_adapter, best_rate(llm, ids[:1], one, ["a3"], 1))
-        result["batch1"] = {"base_tok_s": b1_base, "adapter_tok_s": b1_adapter, "ratio": b1_adapter / b1_base}
+            b1_qv = max(b1_qv, best_rate(llm, ids[:1], one, ["qv"], 1))
+        result["batch1"] = {"base_tok_s": b1_base, "adapter_tok_s": b1_adapter, "ratio": b1_adapter / b1_base,
+                            "qv_adapter_tok_s": b1_qv, "qv_ratio": b1_qv / b1_base}
         del llm, engine
 
         # 4. many adapters, few slots
@@ -137,7 +145,8 @@ def main() -> int:
                           "slot_loads": slots.num_loads, "adapter_reads": llm.engine.adapters.num_reads}
     print(json.dumps(result, indent=2))
     print(f"mixed 64 over 8 adapters / base: {result['mixed']['ratio']:.3f} (bar 0.8); "
-          f"batch 1 adapter / base: {result['batch1']['ratio']:.3f} (bar 0.85); "
+          f"batch 1 adapter / base: {result['batch1']['ratio']:.3f} all projections, "
+          f"{result['batch1']['qv_ratio']:.3f} q/v (bar 0.85); "
           f"32 adapters on 4 slots: {finished}/64 finished")
     Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")

@@ -148,6 +148,11 @@ class AdapterModel:
         # max_step_slots tokens (decodes, the graphs' sizes) in this one buffer, -1 past them
         self.slots_buffer = (torch.full((max_step_slots,), -1, dtype=torch.int64, device=device)
                              if op is not None and op_in_graphs else None)
+        # on the host, the buffer is filled through NumPy (a microsecond where a torch op
+        # right after a forward costs tens)
+        self._slots_host = (self.slots_buffer.numpy() if self.slots_buffer is not None
+                            and self.slots_buffer.device.type == "cpu" else None)
+        self.other_slots: set[int] = set()  # slots holding an update that is not low-rank
         self.step = AdapterStep(token_slots=self.slots_buffer, record=True)
         self.layers: dict[int, LinearAdapters] = {}  # id(linear) -> its slots
         self.targets: dict[str, tuple[LinearAdapters, int]] = {}
@@ -182,14 +187,25 @@ class AdapterModel:
             per_layer[id(layer.linear)][index] = update
         for key, layer in self.layers.items():
             layer.load(slot, per_layer[key])
+        self.other_slots.discard(slot)
+        if any(layer.other[slot] is not None for layer in self.layers.values()):
+            self.other_slots.add(slot)
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
             layer.clear(slot)
+        self.other_slots.discard(slot)
 
     def set_step(self, runs: list[tuple[int, int, int]], num_tokens: int, device=None) -> None:
         """The next forward's runs of adapter tokens (``(slot, start, end)``, slots >= 0)."""
         token_slots = None
+        host = self._slots_host
+        if host is not None and num_tokens <= host.shape[0]:
+            host.fill(-1)
+            for slot, start, end in runs:
+                host[start:end] = slot
+            self.step = AdapterStep(runs, num_tokens, self.slots_buffer)
+            return
         if self.op is not None and (runs or self.slots_buffer is not None):
             slots = torch.full((num_tokens,), -1, dtype=torch.int64)
             for slot, start, end in runs:
@@ -209,8 +225,7 @@ class AdapterModel:
         there and no slot of the step holds an update it does not cover."""
         if self.slots_buffer is None or self.step.token_slots is not self.slots_buffer:
             return False
-        slots = {slot for slot, _, _ in self.step.runs}
-        return not any(layer.other[s] is not None for layer in self.layers.values() for s in slots)
+        return not any(slot in self.other_slots for slot, _, _ in self.step.runs)
 
 
 def attach_adapters(model, max_slots: int, max_rank: int, dtype: torch.dtype, device=None, op=None,

@@ -33,6 +33,8 @@ class AdapterSlots:
         self.free_slots = list(range(model.max_slots - 1, -1, -1))
         self.num_loads = 0
         self.load_seconds = 0.0
+        self._last_key: tuple | None = None  # the last step's (adapter ids, query lengths) with adapters
+        self._last_eager = False
 
     def prepare(self, adapter_ids: Sequence[int], query_lens: Sequence[int]) -> bool:
         """Seat the step's adapters and set its runs on the model (``adapter_ids[i]`` of
@@ -41,7 +43,11 @@ class AdapterSlots:
         if not any(adapter_ids):
             if self.model.step.runs or self.model.step.record:
                 self.model.set_step([], 0)
+                self._last_key = None
             return False
+        key = (tuple(adapter_ids), tuple(query_lens))
+        if key == self._last_key:  # a decode step like the last one: its slots and runs stand
+            return self._last_eager
         wanted = {a for a in adapter_ids if a}
         for adapter_id in wanted:
             if adapter_id in self.slot_of:
@@ -59,7 +65,8 @@ class AdapterSlots:
                     runs.append((slot, start, start + n))
             start += n
         self.model.set_step(runs, start, self.device)
-        return not self.model.graph_safe
+        self._last_key, self._last_eager = key, not self.model.graph_safe
+        return self._last_eager
 
     def _seat(self, adapter_id: int, wanted: set[int]) -> None:
         if self.free_slots:
@@ -80,6 +87,7 @@ class AdapterSlots:
     def forget(self, adapter_id: int) -> None:
         """An unloaded adapter leaves its slot (zeroed, free again)."""
         slot = self.slot_of.pop(adapter_id, None)
+        self._last_key = None
         if slot is not None:
             self.model.clear(slot)
             self.free_slots.append(slot)
