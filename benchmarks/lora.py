@@ -27,25 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from ember import LLM, SamplingParams
-from ember.models.lora import LoRAKind
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offline import cpu_model_name  # noqa: E402
 
-
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from ember import LLM, SamplingParams  # noqa: E402
+from ember.models.lora import LoRAKind  # noqa: E402
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
