@@ -5,6 +5,7 @@ shares with /v1/completions is `ember.api.routes.openai`."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -54,6 +55,33 @@ def tool_call_pieces(delta: ParserDelta, max_calls: int | None) -> list[dict]:
             function["name"] = piece.name
         pieces.append(entry)
     return pieces
+
+
+def check_message_tool_calls(calls: list[dict], where: str) -> None:
+    """400 naming the field for a malformed `tool_calls` entry of a request message (the
+    chat template and the tool parsers read `function.name` and `function.arguments`)."""
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        if call.get("type", "function") != "function":
+            raise bad_request(f'`{at}.type` must be "function", got {call["type"]!r}'[:300], f"{at}.type")
+        if "id" in call and not isinstance(call["id"], str):
+            raise bad_request(f"`{at}.id` must be a string", f"{at}.id")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise bad_request(f'`{at}.function` must be an object {{"name": ..., "arguments": ...}}', f"{at}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"`{at}.function.name` must be a non-empty string", f"{at}.function.name")
+        arguments = function.get("arguments", "")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise bad_request(f"`{at}.function.arguments` is not JSON: {arguments[:200]!r}",
+                                  f"{at}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise bad_request(f"`{at}.function.arguments` must be a JSON object (or a string holding one)",
+                              f"{at}.function.arguments")
 
 
 def assistant_message(text: str, setup: ToolSetup) -> tuple[oa.AssistantMessage, bool]:
@@ -178,6 +206,10 @@ class ChatRoutes(OpenAIRoutes):
             role = "system" if message.role == "developer" else message.role
             entry: dict = {"role": role, "content": content}
             if message.tool_calls:
+                if message.role != "assistant":
+                    raise bad_request(f"`messages[{i}].tool_calls` is only for assistant messages",
+                                      f"messages[{i}].tool_calls")
+                check_message_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
                 entry["tool_calls"] = message.tool_calls
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id

@@ -182,7 +182,7 @@ def chat_messages(
 
 def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
+    arguments = function.get("arguments", "")  # none given: no arguments
     if isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}
