@@ -1,7 +1,8 @@
-"""API errors and their two JSON shapes.
+"""API errors and their three JSON shapes.
 
 TGI routes answer ``{"error": message, "error_type": type}``; OpenAI routes answer
-``{"error": {"message", "type", "param", "code"}}``. Every failure a client can
+``{"error": {"message", "type", "param", "code"}}``; Anthropic routes (/v1/messages) answer
+``{"type": "error", "error": {"type", "message"}}``. Every failure a client can
 cause is an `APIError` with a 4xx status; anything else is a 500 that names no
 internals beyond the exception's message.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -19,6 +21,7 @@ from ember.api.observability import current
 class Flavor(enum.Enum):
     TGI = "tgi"
     OPENAI = "openai"
+    ANTHROPIC = "anthropic"
 
 
 class APIError(Exception):
@@ -65,9 +68,16 @@ OPENAI_TYPES = {
 }
 
 
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
 def error_body(exc: APIError, flavor: Flavor) -> dict:
     if flavor is Flavor.TGI:
         return {"error": exc.message, "error_type": exc.error_type}
+    if flavor is Flavor.ANTHROPIC:  # /v1/messages: {"type": "error", "error": {"type", "message"}}
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status, "invalid_request_error"),
+                                           "message": exc.message}}
     return {
         "error": {
             "message": exc.message,

@@ -223,6 +223,8 @@ class EventStreamResponse(StreamingResponse):
 
 # -- the request middleware --------------------------------------------------------
 def flavor_of(path: str) -> Flavor:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return Flavor.ANTHROPIC
     return Flavor.OPENAI if path.startswith("/v1/") else Flavor.TGI
 
 
@@ -372,7 +374,7 @@ class RequestMiddleware:
     def _check_key(self, scope: Scope) -> APIError | None:
         if self.api_key is None:
             return None
-        return check_authorization(_header(scope, b"authorization"), self.api_key)
+        return check_authorization(_header(scope, b"authorization"), self.api_key, _header(scope, b"x-api-key"))
 
     @staticmethod
     def _trace_headers(scope: Scope) -> dict[str, str]:

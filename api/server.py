@@ -24,9 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ember.api.errors import APIError, Flavor, error_response
-from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware
+from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware, flavor_of
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
+from ember.api.routes.anthropic import MessagesRoutes
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.lora import LoRAMetrics, LoRARoutes
 from ember.api.routes.openai_chat import ChatRoutes
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def _flavor(request: Request) -> Flavor:
-    return Flavor.OPENAI if request.url.path.startswith("/v1/") else Flavor.TGI
+    return flavor_of(request.url.path)
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
@@ -89,6 +90,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
         tracing = Tracing(None)
     routes = CommonRoutes(service, lifecycle).routes() + TGIRoutes(service).routes() + metrics.routes()
     routes += CompletionRoutes(service).routes() + ChatRoutes(service).routes()
+    routes += MessagesRoutes(service).routes()
     routes += LoRARoutes(service, settings.enable_lora_runtime_updates).routes()
     routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-
 from test_shutdown import Serve
 
 BODY_TIMEOUT_S = 1.5
@@ -305,8 +304,51 @@ def ROWS() -> list[Row]:
         Row("role tool (a tool result)", post("/v1/chat/completions", {**chat(), "messages": [{"role": "tool", "content": "x"}]}), 200),
         Row("echo with token ids and logprobs", post("/v1/completions", completion(prompt=[5, 6, 7], echo=True, logprobs=2)),
             200, [finite_logprobs]),
+        # -- /v1/messages and /v1/messages/count_tokens (Anthropic's shape) --------------
+        *ANTHROPIC_ROWS(),
         Row("/info, /metrics, /openapi.json", lambda s: _open_routes(s), 200),
     ]
+
+
+def ANTHROPIC_ROWS() -> list[Row]:
+    msg = lambda **kw: {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **kw}
+    user = lambda *blocks: msg(messages=[{"role": "user", "content": list(blocks)}])
+    named = lambda *words: [anthropic_error, error_names(*words)]
+    return [
+        Row("messages: 1.9 MB message", post("/v1/messages", msg(messages=[{"role": "user", "content": BIG}])), 422,
+            [anthropic_error]),
+        Row("messages: 10k messages", post("/v1/messages", msg(messages=[{"role": "user", "content": "a"}] * 10_000)),
+            422, [anthropic_error]),
+        Row("messages: 1.9 MB text block", post("/v1/messages", user({"type": "text", "text": BIG})), 422),
+        Row("messages: 100k-deep nesting", raw("/v1/messages", DEEP), 400, [anthropic_error]),
+        Row("messages: empty body", raw("/v1/messages", b""), 400, [anthropic_error]),
+        Row("messages: no max_tokens", post("/v1/messages", {"model": "m", "messages": [
+            {"role": "user", "content": "hi"}]}), 400, named("max_tokens")),
+        Row("messages: image block", post("/v1/messages", user({"type": "image", "source": {}})), 400, named("image")),
+        Row("messages: block that is a string", post("/v1/messages", user("text")), 400, named("messages.0.content", "content block")),
+        Row("messages: tool_use from the user", post("/v1/messages", user(
+            {"type": "tool_use", "id": "a", "name": "b", "input": {}})), 400, named("tool_use")),
+        Row("messages: tool_use input a list", post("/v1/messages", msg(messages=[{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "a", "name": "b", "input": []}]}])), 400, named("input")),
+        Row("messages: tool_result of 1.9 MB", post("/v1/messages", user(
+            {"type": "tool_result", "tool_use_id": "a", "content": BIG})), 422),
+        Row("messages: thinking", post("/v1/messages", msg(thinking={"type": "enabled", "budget_tokens": 9})), 400,
+            named("thinking")),
+        Row("messages: tool_choice without name", post("/v1/messages", msg(
+            tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"})), 400,
+            named("tool_choice.name")),
+        Row("messages: temperature 1e-300 (stream)", post("/v1/messages", msg(temperature=1e-300, stream=True)), 200),
+        Row("count_tokens: 1.9 MB system", post("/v1/messages/count_tokens", {
+            "model": "m", "system": BIG, "messages": [{"role": "user", "content": "hi"}]}), 422, [anthropic_error]),
+        Row("count_tokens: unknown field", post("/v1/messages/count_tokens", {
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "bogus": 1}), 400, named("bogus")),
+        Row("GET /v1/messages", http("GET", "/v1/messages"), 405, [anthropic_error]),
+    ]
+
+
+def anthropic_error(out: Outcome) -> None:
+    payload = strict_json(out.body.decode())
+    assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}, payload
 
 
 def _chunked(server: Serve, size: int) -> Outcome:

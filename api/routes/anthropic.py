@@ -1,0 +1,305 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API) on the chat path.
+
+A request becomes the OpenAI chat request it means (`chat_request`): ``system`` the first
+message, ``text`` blocks a message's text, an assistant's ``tool_use`` blocks its tool
+calls, a user's ``tool_result`` blocks tool messages; ``tools`` function tools and
+``tool_choice`` auto / any / tool / none the chat's auto / required / named function /
+none. That request then runs through `ChatRoutes` (the chat template with tools, the
+tool-call parser, forced calls by grammar), and the answer is written back as text and
+``tool_use`` blocks, streamed with Anthropic's event sequence. Errors have Anthropic's
+shape (`Flavor.ANTHROPIC`); a malformed request is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ember.api.errors import (
+    APIError,
+    Flavor,
+    bad_request,
+    error_body,
+    error_response,
+    from_validation_error,
+    note_error,
+)
+from ember.api.http import parse_model, read_json
+from ember.api.openapi import GENERATION_ERRORS, documented
+from ember.api.routes.openai import Job
+from ember.api.routes.openai_chat import ChatRoutes
+from ember.api.schemas import anthropic as an
+from ember.api.schemas import openai as oa
+from ember.api.structured_outputs import failure
+from ember.engine.tool_calls import NO_TOOLS, ToolSetup
+from ember.outputs import RequestOutput
+from ember.plugin.tool_parser import ParserDelta
+
+BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+
+
+def event(name: str, payload: dict) -> bytes:
+    """One server-sent event with Anthropic's ``event:`` line."""
+    return f"event: {name}\ndata: {json.dumps(payload, allow_nan=False)}\n\n".encode()
+
+
+def _block(model: type[BaseModel], block: dict, where: str) -> Any:
+    try:
+        return model.model_validate(block, strict=True)
+    except ValidationError as exc:
+        err = from_validation_error(exc)
+        raise bad_request(f"`{where}`: {err.message}", f"{where}.{err.param}" if err.param else where) from None
+
+
+def _text(content: str | list[an.TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n".join(block.text for block in content)
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
+    """The request's system prompt and messages as OpenAI chat messages."""
+    messages: list[dict] = []
+    if body.system is not None:
+        messages.append({"role": "system", "content": _text(body.system)})
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict] = []
+        num_results = 0
+        for k, block in enumerate(message.content):
+            where = f"messages[{i}].content[{k}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in BLOCK_TYPES[message.role]:
+                allowed = " and ".join(repr(t) for t in BLOCK_TYPES[message.role])
+                raise bad_request(f"`{where}.type` is {kind!r}: Ember supports only {allowed} blocks in a "
+                                  f"{message.role} message (no images, documents or thinking)", f"{where}.type")
+            if kind == "text":
+                texts.append(_block(an.TextBlock, block, where).text)
+            elif kind == "tool_use":
+                use = _block(an.ToolUseBlock, block, where)
+                calls.append({"id": use.id, "type": "function",
+                              "function": {"name": use.name, "arguments": json.dumps(use.input)}})
+            else:
+                result = _block(an.ToolResultBlock, block, where)
+                text = _text(result.content)
+                num_results += 1
+                messages.append({"role": "tool", "tool_call_id": result.tool_use_id,
+                                 "content": f"Error: {text}" if result.is_error else text})
+        if message.role == "assistant":
+            entry = {"role": "assistant", "content": "\n".join(texts)}
+            messages.append({**entry, "tool_calls": calls} if calls else entry)
+        elif texts or not num_results:
+            messages.append({"role": "user", "content": "\n".join(texts)})
+    return messages
+
+
+def chat_request(body: an.CountTokensRequest) -> oa.ChatCompletionRequest:
+    """The OpenAI chat request an Anthropic request means."""
+    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages_of(body)}
+    if body.tools:
+        fields["tools"] = [{"type": "function", "function": {
+            "name": tool.name, "parameters": tool.input_schema,
+            **({"description": tool.description} if tool.description is not None else {})}} for tool in body.tools]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise bad_request('`tool_choice.name` is required with type "tool"', "tool_choice.name")
+        if choice.type != "tool" and choice.name is not None:
+            raise bad_request(f'`tool_choice.name` is only allowed with type "tool", not {choice.type!r}',
+                              "tool_choice.name")
+        fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+            "type": "function", "function": {"name": choice.name}}
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    if isinstance(body, an.MessagesRequest):
+        fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
+                      top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+    try:
+        return oa.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        err = from_validation_error(exc)
+        raise bad_request(err.message, err.param) from None
+
+
+def stop_reason(out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
+    completion = out.outputs[0]
+    if completion.finish_reason == "length":
+        return "max_tokens", None
+    if has_calls:
+        return "tool_use", None
+    if isinstance(completion.stop_reason, str):
+        return "stop_sequence", completion.stop_reason
+    return "end_turn", None
+
+
+class MessagesRoutes(ChatRoutes):
+    def routes(self) -> list[Route]:
+        return [Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])]
+
+    async def _read(self, request: Request, model: type[an.CountTokensRequest]) -> an.CountTokensRequest:
+        """The body, with Anthropic's statuses: a field Ember cannot honour, or a malformed one, is a 400."""
+        data = await read_json(request)
+        if isinstance(data, dict):
+            for name, what in an.UNSUPPORTED_FIELDS.items():
+                if name in data:
+                    raise bad_request(f"`{name}` ({what}) is not supported by Ember; remove it from the request", name)
+        try:
+            return parse_model(model, data)
+        except APIError as exc:
+            raise bad_request(exc.message, exc.param) from None
+
+    @documented(summary="Messages (Anthropic)", tag="Anthropic", request=an.MessagesRequest,
+                response=an.MessageResponse, streams=True, error_model=an.ErrorResponse, errors=GENERATION_ERRORS)
+    async def messages(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, an.MessagesRequest)
+            job, setup = await self.service.run_blocking(self._messages_job, body)
+            if body.stream:
+                return await self._stream(lambda outs: self._message_events(body, job, setup, outs), [job])
+            outs = await self._run(request, [job])
+            if outs is not None and job.params.constraint is not None:
+                self._check_failures(outs, [job])
+        except APIError as exc:
+            return error_response(exc, Flavor.ANTHROPIC)
+        if outs is None:
+            return Response(status_code=499)
+        out = outs[0]
+        content, has_calls = self._content(out.outputs[0].text, setup)
+        reason, sequence = stop_reason(out, has_calls)
+        return JSONResponse(an.MessageResponse(
+            id=f"msg_{uuid.uuid4().hex}", model=body.model, content=content, stop_reason=reason,
+            stop_sequence=sequence, usage=an.Usage(input_tokens=len(job.prompt_ids),
+                                                   output_tokens=len(out.outputs[0].token_ids)),
+        ).model_dump())
+
+    @documented(summary="Count a Messages request's input tokens (Anthropic)", tag="Anthropic",
+                request=an.CountTokensRequest, response=an.CountTokensResponse, error_model=an.ErrorResponse,
+                errors=GENERATION_ERRORS)
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, an.CountTokensRequest)
+            num_tokens = await self.service.run_blocking(self._count, body)
+        except APIError as exc:
+            return error_response(exc, Flavor.ANTHROPIC)
+        return JSONResponse({"input_tokens": num_tokens})
+
+    def _count(self, body: an.CountTokensRequest) -> int:
+        """The templated prompt's tokens (tools included), as /v1/messages would send them."""
+        self.service.adapter_for_model(body.model)
+        chat = chat_request(body)
+        setup = self._tool_setup(chat) if chat.tools or chat.tool_choice is not None else NO_TOOLS
+        prompt = self._chat_prompt(chat.messages, setup)
+        return len(self.service.encode(prompt, add_special_tokens=False))
+
+    def _messages_job(self, body: an.MessagesRequest) -> tuple[Job, ToolSetup]:
+        self.service.adapter_for_model(body.model)  # a 404 before the messages are read
+        stop = body.stop_sequences or []
+        self.service.check_stop(stop, "stop_sequences")
+        if any(not text for text in stop):
+            raise bad_request("`stop_sequences` strings must be non-empty", "stop_sequences")
+        return self._chat_job(chat_request(body))
+
+    @staticmethod
+    def _content(text: str, setup: ToolSetup) -> tuple[list[dict], bool]:
+        """The answer as text and tool_use blocks (its calls read by the chat's parser)."""
+        if setup.parser is None:
+            return ([{"type": "text", "text": text}] if text else []), False
+        parsed = setup.parser().parse(text)
+        calls = parsed.tool_calls[: setup.max_calls]
+        if not calls:
+            return ([{"type": "text", "text": text}] if text else []), False
+        blocks: list[dict] = [{"type": "text", "text": parsed.content}] if parsed.content else []
+        blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                    "input": json.loads(call.arguments or "{}")} for call in calls]
+        return blocks, True
+
+    async def _message_events(
+        self, body: an.MessagesRequest, job: Job, setup: ToolSetup, outputs: AsyncIterator
+    ) -> AsyncIterator[bytes]:
+        yield event("message_start", {"type": "message_start", "message": {
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(job.prompt_ids), "output_tokens": 0}}})
+        yield event("ping", {"type": "ping"})
+        parser = setup.parser() if setup.parser else None
+        blocks: list[str] = []  # the kind of each block started; the last one is open until stopped
+        is_open = False
+        num_tokens, has_calls, last = 0, False, None
+
+        def start(block: dict) -> list[bytes]:
+            nonlocal is_open
+            events = [stop_block()] if is_open else []
+            blocks.append(block["type"])
+            is_open = True
+            return [*events, event("content_block_start", {"type": "content_block_start", "index": len(blocks) - 1,
+                                                            "content_block": block})]
+
+        def stop_block() -> bytes:
+            nonlocal is_open
+            is_open = False
+            return event("content_block_stop", {"type": "content_block_stop", "index": len(blocks) - 1})
+
+        def delta(payload: dict) -> bytes:
+            return event("content_block_delta", {"type": "content_block_delta", "index": len(blocks) - 1,
+                                                  "delta": payload})
+
+        async with aclosing(outputs) as outs:
+            async for _, out in outs:
+                error = failure(out, job.constraint_param) if out.outputs[0].finish_reason == "error" else None
+                if error is not None:
+                    raise error
+                num_tokens += len(out.new_token_ids)
+                last = out
+                parsed = ParserDelta(out.new_text)
+                if parser is not None:
+                    parsed = parser.feed(out.new_text)
+                    if out.finished:
+                        end = parser.finish()
+                        parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
+                if parsed.content:
+                    if not (is_open and blocks[-1] == "text"):
+                        for item in start({"type": "text", "text": ""}):
+                            yield item
+                    yield delta({"type": "text_delta", "text": parsed.content})
+                for piece in parsed.tool_calls:
+                    if setup.max_calls is not None and piece.index >= setup.max_calls:
+                        continue
+                    if piece.id is not None:
+                        has_calls = True
+                        for item in start({"type": "tool_use", "id": _tool_use_id(piece.id), "name": piece.name,
+                                           "input": {}}):
+                            yield item
+                    if piece.arguments:
+                        yield delta({"type": "input_json_delta", "partial_json": piece.arguments})
+        if is_open:
+            yield stop_block()
+        reason, sequence = stop_reason(last, has_calls) if last is not None else ("end_turn", None)
+        yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
+                                                                         "stop_sequence": sequence},
+                                      "usage": {"output_tokens": num_tokens}})
+        yield event("message_stop", {"type": "message_stop"})
+
+    async def _guarded(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Once the stream began, a failure is an ``error`` event in Anthropic's shape, then a clean end."""
+        try:
+            async with aclosing(events) as inner:
+                async for item in inner:
+                    yield item
+        except Exception as exc:
+            error = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc!r}", "generation")
+            note_error(error)
+            yield event("error", error_body(error, Flavor.ANTHROPIC))
