@@ -228,3 +228,15 @@ def test_streamed_tool_use_events(http):
     partial = "".join(d["delta"]["partial_json"] for d in data if d["type"] == "content_block_delta")
     jsonschema.validate(json.loads(partial), WEATHER)
     assert data[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None} and names[-1] == "message_stop"
+
+
+def test_unknown_model_is_a_404_with_adapters_on(tiny_llama_dir):
+    """With LoRA on, `model` names the base or a loaded adapter (as on the OpenAI routes); another name is a 404."""
+    with running_server(tiny_llama_dir, engine={"enable_lora": True}, max_total_tokens=64,
+                        served_model_name="tiny") as running, httpx.Client(base_url=running.url, timeout=60) as raw:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {**BASE, "model": "nope"} if path == "/v1/messages" else {"model": "nope", "messages": MESSAGES}
+            r = raw.post(path, json=body)
+            assert r.status_code == 404, r.text
+            assert r.json()["error"]["type"] == "not_found_error" and "nope" in r.json()["error"]["message"]
+            assert raw.post(path, json={**body, "model": "tiny"}).status_code == 200
