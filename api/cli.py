@@ -186,6 +186,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: outlines; `ember plugins` lists them) [EMBER_GRAMMAR_BACKEND]",
     )
     group.add_argument(
+        "--reasoning-parser", metavar="NAME", default=None,
+        help="read chat answers' reasoning (<think>...</think>) into `reasoning_content`: deepseek_r1, qwen3 "
+        "(`ember plugins` lists them; default: off, docs/reasoning.md) [EMBER_REASONING_PARSER]",
+    )
+    group.add_argument(
         "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )

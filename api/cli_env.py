@@ -145,6 +145,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "cuda_graphs": EnvOption("EMBER_CUDA_GRAPHS", parse_graph_sizes),
     "enforce_eager": EnvOption("EMBER_ENFORCE_EAGER", _parse_bool),
     "grammar_backend": EnvOption("EMBER_GRAMMAR_BACKEND", str),
+    "reasoning_parser": EnvOption("EMBER_REASONING_PARSER", str),
     "quantize": EnvOption("EMBER_QUANTIZE", str),
     "dequantize": EnvOption("EMBER_DEQUANTIZE", _parse_bool),
     "kv_cache_dtype": EnvOption("EMBER_KV_CACHE_DTYPE", _choice(KV_CACHE_DTYPES)),
@@ -205,6 +206,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "cuda_graphs": None,  # None: the engine's default sizes where the device has graphs
     "enforce_eager": False,
     "grammar_backend": "outlines",
+    "reasoning_parser": None,
     "quantize": None,
     "dequantize": False,
     "kv_cache_dtype": "auto",

@@ -95,6 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
         graph_sizes=args.cuda_graphs,
         enforce_eager=args.enforce_eager,
         grammar_backend=args.grammar_backend,
+        reasoning_parser=args.reasoning_parser,
         quantize=args.quantize,
         dequantize=args.dequantize,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -127,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         run_torchrun_worker(EngineConfig(**engine_config_kwargs(settings)))
         return 0
+    if settings.reasoning_parser is not None:
+        _check_reasoning_parser(settings)
     try:
         status = serve(settings)
     except KVCacheTooSmallError as exc:  # said in the flags the user set, not the engine's fields
@@ -135,6 +138,16 @@ def run_serve(args: argparse.Namespace) -> int:
             block_size=exc.block_size, default_budget_bytes=exc.budget_bytes,
         )) from None
     return status or 0
+
+
+def _check_reasoning_parser(settings) -> None:
+    """A ValueError (exit 2, before the model loads) for a name no plugin registered."""
+    from ember.plugin import create_plugin_manager
+
+    registry = create_plugin_manager(settings.disabled_plugins, settings.required_plugins).registries.reasoning_parsers
+    if settings.reasoning_parser not in registry:
+        raise ValueError(f"--reasoning-parser {settings.reasoning_parser!r} is not a registered reasoning parser; "
+                         f"registered: {', '.join(registry.names()) or 'none'}")
 
 
 def run_watermark_detect(args: argparse.Namespace) -> int:

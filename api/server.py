@@ -73,6 +73,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
         backend=model.backend_name,
         version=ember.__version__,
         created=int(time.time()),
+        reasoning_parser=settings.reasoning_parser,
     )
     service = GenerationService(engine, limits, info)
     if model_id in engine.adapters():

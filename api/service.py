@@ -57,6 +57,7 @@ class ServedModel:
     backend: str
     version: str
     created: int
+    reasoning_parser: str | None = None  # --reasoning-parser: its registered name, None when off
 
 
 class GenerationService:

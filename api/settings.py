@@ -82,6 +82,8 @@ class ServerSettings:
     # and how long a request may wait for its grammar
     grammar_backend: str = "outlines"
     grammar_compile_timeout: float = 60.0
+    # --reasoning-parser NAME (docs/reasoning.md): chat answers' reasoning as reasoning_content; None: off
+    reasoning_parser: str | None = None
     # quantized weights (docs/quantization.md): --quantize NAME, --dequantize
     quantize: str | None = None
     dequantize: bool = False

@@ -351,7 +351,7 @@ def test_plugins_json_and_disable(capsys, monkeypatch):
     }
     assert set(data["registries"]) == {
         "backends", "model_architectures", "logits_processors", "quantizers", "speculators", "grammar_backends",
-        "tool_parsers", "adapter_kinds",
+        "tool_parsers", "reasoning_parsers", "adapter_kinds",
     }
     assert {e["name"] for e in data["registries"]["tool_parsers"]} >= {"hermes", "llama3_json"}
     assert {"name": "cpu", "plugin": "cpu", "implementation": "ember.hardware.cpu.CPUBackend", "available": True,

@@ -39,6 +39,7 @@ from ember.api.service import GenerationService
 from ember.api.structured_outputs import check_backend, failure, openai_constraint
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
 from ember.outputs import RequestOutput
+from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
 from ember.plugin.tool_parser import BaseToolParser, ParserDelta
 
 
@@ -132,15 +133,29 @@ class ChatRoutes(OpenAIRoutes):
         if outs is None:
             return Response(status_code=499)
         choices = []
+        reasoning_parser = self._reasoning_parser()
         for i, out in enumerate(outs):
-            message, has_calls = assistant_message(out.outputs[0].text, setup)
+            text, reasoning = out.outputs[0].text, None
+            if reasoning_parser is not None:
+                reasoning, text = reasoning_parser().extract(text)
+            message, has_calls = assistant_message(text, setup)
+            message.reasoning_content = reasoning
             choices.append(oa.ChatChoice(index=i, message=message, finish_reason=finish_reason(out, has_calls),
                                          logprobs=self._chat_logprobs(body, out, 0)))
         response = oa.ChatCompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, system_fingerprint=reply.system_fingerprint,
             choices=choices, usage=usage([job], outs),
         )
-        return JSONResponse(response.model_dump())
+        data = response.model_dump()
+        if reasoning_parser is None:  # the field only with --reasoning-parser, as vLLM
+            for choice in data["choices"]:
+                del choice["message"]["reasoning_content"]
+        return JSONResponse(data)
+
+    def _reasoning_parser(self) -> type[BaseReasoningParser] | None:
+        """The class of --reasoning-parser, None when off (`ember serve` checked the name)."""
+        name = self.service.info.reasoning_parser
+        return None if name is None else self.service.client.plugin_manager.registries.reasoning_parsers.get(name)
 
     def _tool_setup(self, body: oa.ChatCompletionRequest) -> ToolSetup:
         """400 for a tool choice naming no tool, or tools no parser of this model reads."""
@@ -243,18 +258,32 @@ class ChatRoutes(OpenAIRoutes):
             return chat_logprobs(self.service, view, 0, num_top).model_dump()
 
         parsers = [setup.parser() if setup.parser else None for _ in range(num_choices)]
+        reasoning_cls = self._reasoning_parser()
+        thinkers = [reasoning_cls() if reasoning_cls else None for _ in range(num_choices)]
         has_calls = [False] * num_choices
 
         def delta_of(index: int, out: RequestOutput) -> dict:
-            """The chunk's delta: the text, or what the choice's parser can report of it."""
+            """The chunk's delta: the text, or what the choice's parsers can report of it
+            (the reasoning parser first, the tool parser reads what follows the reasoning)."""
+            text, reasoning = out.new_text, ""
+            thinker: BaseReasoningParser | None = thinkers[index]
+            if thinker is not None:
+                piece = thinker.feed(text)
+                if out.finished:
+                    end_piece = thinker.finish()
+                    piece = ReasoningDelta(piece.reasoning + end_piece.reasoning, piece.content + end_piece.content)
+                reasoning, text = piece
             parser: BaseToolParser | None = parsers[index]
             if parser is None:
-                return {"content": out.new_text} if out.new_text else {}
-            parsed = parser.feed(out.new_text)
+                delta = {"content": text} if text else {}
+                return {"reasoning_content": reasoning, **delta} if reasoning else delta
+            parsed = parser.feed(text)
             if out.finished:
                 end = parser.finish()
                 parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
             delta: dict = {"content": parsed.content} if parsed.content else {}
+            if reasoning:
+                delta = {"reasoning_content": reasoning, **delta}
             pieces = tool_call_pieces(parsed, setup.max_calls)
             if pieces:
                 delta["tool_calls"] = pieces

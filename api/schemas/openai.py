@@ -281,6 +281,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(
+        None, description="with --reasoning-parser: the reasoning before the answer (absent without one)"
+    )
 
 
 class ChatChoice(BaseModel):
@@ -306,6 +309,7 @@ class ChatDelta(BaseModel):
     tool_calls: list[dict[str, Any]] | None = Field(
         None, description="pieces of calls: index, then id, type and function.name first, function.arguments in pieces"
     )
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: a piece of the reasoning")
 
 
 class ChatChunkChoice(BaseModel):

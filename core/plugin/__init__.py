@@ -14,6 +14,7 @@ registry per kind. Module map:
     grammar            BaseGrammarBackend, its compiled grammars and matchers (constraints: ember.constraint)
     grammar_vocab      a tokenizer's tokens as bytes, for grammar backends
     tool_parser        BaseToolParser
+    reasoning_parser   BaseReasoningParser: reasoning (<think>) kept apart from the answer
     logits_processor   BaseLogitsProcessor, SamplingRow, LogitsProcessorContext
     adapter            BaseAdapterKind, AdapterUpdate, AdapterWeights: adapters served beside the model (LoRA)
 Model architectures follow ``ember.models.base``; ``ember.testing`` checks each kind.

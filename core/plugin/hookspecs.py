@@ -98,6 +98,16 @@ def ember_register_tool_parsers(registry: Registry) -> None:
 
 
 @hookspec
+def ember_register_reasoning_parsers(registry: Registry) -> None:
+    """Register reasoning parsers: ``registry.register(MyParser.name, MyParser)``.
+
+    Values are subclasses of :class:`ember.plugin.reasoning_parser.BaseReasoningParser`;
+    ``ember serve --reasoning-parser NAME`` reads every chat answer with one, returning
+    the reasoning as ``reasoning_content`` (docs/reasoning.md).
+    """
+
+
+@hookspec
 def ember_register_adapter_kinds(registry: Registry) -> None:
     """Register adapter kinds: ``registry.register(MyKind.name, MyKind)``.
 

@@ -29,6 +29,7 @@ _REGISTRATION_HOOKS = {
     "ember_register_speculators": "speculators",
     "ember_register_grammar_backends": "grammar_backends",
     "ember_register_tool_parsers": "tool_parsers",
+    "ember_register_reasoning_parsers": "reasoning_parsers",
     "ember_register_adapter_kinds": "adapter_kinds",
 }
 

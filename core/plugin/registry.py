@@ -65,6 +65,7 @@ class Registries:
     speculators: Registry = field(default_factory=lambda: Registry("speculator"))
     grammar_backends: Registry = field(default_factory=lambda: Registry("grammar backend"))
     tool_parsers: Registry = field(default_factory=lambda: Registry("tool-call parser"))
+    reasoning_parsers: Registry = field(default_factory=lambda: Registry("reasoning parser"))
     adapter_kinds: Registry = field(default_factory=lambda: Registry("adapter kind"))
 
     def all(self) -> dict[str, Registry]:
@@ -76,5 +77,6 @@ class Registries:
             "speculators": self.speculators,
             "grammar_backends": self.grammar_backends,
             "tool_parsers": self.tool_parsers,
+            "reasoning_parsers": self.reasoning_parsers,
             "adapter_kinds": self.adapter_kinds,
         }
