@@ -1,0 +1,62 @@
+"""The tool-call parsers beyond hermes and llama3_json (issue 33 item 6): each passes the
+conformance check, reads its syntax whole and fed in random chunkings (several calls,
+arguments as JSON objects), keeps malformed calls as text, and is chosen by its template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ember.engine.tool_calls import select_tool_parser
+from ember.plugin import create_plugin_manager
+from ember.plugin.tool_parser import assemble
+from ember.plugins.tool_parsers.mistral import MistralToolParser
+from ember.testing import check_tool_parser
+
+
+def _chunked(parser_cls, text, seed):
+    rng = random.Random(seed)
+    parser, deltas, i = parser_cls(), [], 0
+    while i < len(text):
+        step = rng.randint(1, 9)
+        deltas.append(parser.feed(text[i : i + step]))
+        i += step
+    deltas.append(parser.finish())
+    return assemble(deltas)
+
+
+def _read(parser_cls, text):
+    """The message read whole, checked to read the same in 30 random chunkings."""
+    whole = parser_cls().parse(text)
+    summary = (whole.content, [(c.name, json.loads(c.arguments)) for c in whole.tool_calls])
+    for seed in range(30):
+        fed = _chunked(parser_cls, text, seed)
+        assert (fed.content, [(c.name, json.loads(c.arguments)) for c in fed.tool_calls]) == summary, (seed, text)
+    return summary
+
+
+# -- mistral ------------------------------------------------------------------------
+MISTRAL_TEMPLATE = "{%- if message.tool_calls %}[TOOL_CALLS][{{ calls }}]{% endif %}[AVAILABLE_TOOLS]"
+
+
+def test_mistral_conforms_and_is_chosen_by_its_template():
+    check_tool_parser(MistralToolParser)
+    registry = create_plugin_manager().registries.tool_parsers
+    assert registry.owner("mistral") == "tool_parser_mistral"
+    assert select_tool_parser(registry, MISTRAL_TEMPLATE) is MistralToolParser
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+     '{"name": "other", "arguments": {"x": 1, "y": [true, null]}}]',
+     (None, [("get_weather", {"city": "Paris", "unit": "c"}), ("other", {"x": 1, "y": [True, None]})])),
+    ('Checking. [TOOL_CALLS] [{"name": "ping", "arguments": {}}]', ("Checking. ", [("ping", {})])),
+    ('[TOOL_CALLS][{"name": "f"}]', (None, [("f", {})])),
+    ("[TOOL_CALLS]not a call", ("[TOOL_CALLS]not a call", [])),
+    ('[TOOL_CALLS][{"arguments": {"a": 1}}]', ('[TOOL_CALLS][{"arguments": {"a": 1}}]', [])),
+    ("[TOOL_CALL] is not the marker", ("[TOOL_CALL] is not the marker", [])),
+])
+def test_mistral_reads_calls_whole_and_in_random_chunks(text, expected):
+    assert _read(MistralToolParser, text) == expected
