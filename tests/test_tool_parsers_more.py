@@ -13,6 +13,7 @@ from ember.engine.tool_calls import select_tool_parser
 from ember.plugin import create_plugin_manager
 from ember.plugin.tool_parser import assemble
 from ember.plugins.tool_parsers.mistral import MistralToolParser
+from ember.plugins.tool_parsers.pythonic import PythonicToolParser
 from ember.testing import check_tool_parser
 
 
@@ -60,3 +61,37 @@ def test_mistral_conforms_and_is_chosen_by_its_template():
 ])
 def test_mistral_reads_calls_whole_and_in_random_chunks(text, expected):
     assert _read(MistralToolParser, text) == expected
+
+
+# -- pythonic -----------------------------------------------------------------------
+PYTHONIC_TEMPLATE = "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
+
+
+def test_pythonic_conforms_and_is_chosen_by_its_template():
+    check_tool_parser(PythonicToolParser)
+    registry = create_plugin_manager().registries.tool_parsers
+    assert registry.owner("pythonic") == "tool_parser_pythonic"
+    assert select_tool_parser(registry, PYTHONIC_TEMPLATE) is PythonicToolParser
+    assert select_tool_parser(registry, "<|header_start|>{{ role }}<|header_end|>") is PythonicToolParser
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[get_weather(city="Paris", unit="c"), other(x=1)]',
+     (None, [("get_weather", {"city": "Paris", "unit": "c"}), ("other", {"x": 1})])),
+    (' \n[f(a=[1, -2.5, None], b={"k": True, "s": \'x]y\'}, c=False), noop()]\nDone.',
+     ("\nDone.", [("f", {"a": [1, -2.5, None], "b": {"k": True, "s": "x]y"}, "c": False}), ("noop", {})])),
+    ('[f(x="a, b)")]', (None, [("f", {"x": "a, b)"})])),
+    ("[f(x=y)]", ("[f(x=y)]", [])),  # a name is not a literal
+    ("[f(1)]", ("[f(1)]", [])),  # positional arguments
+    ('[os.system(cmd="ls")]', ('[os.system(cmd="ls")]', [])),  # not a plain name
+    ("[f(x=1 + 2)]", ("[f(x=1 + 2)]", [])),
+    ("[f(x={1, 2})]", ("[f(x={1, 2})]", [])),  # a set
+    ("[f(x=1e999)]", ("[f(x=1e999)]", [])),  # not finite
+    ("[f(x=1, x=2)]", ("[f(x=1, x=2)]", [])),
+    ("[1, 2] is a list", ("[1, 2] is a list", [])),
+    ("[]", ("[]", [])),
+    ("[f(x=1)", ("[f(x=1)", [])),  # never closed
+    ("Call [f(x=1)] later", ("Call [f(x=1)] later", [])),  # calls open the answer
+])
+def test_pythonic_reads_calls_whole_and_in_random_chunks(text, expected):
+    assert _read(PythonicToolParser, text) == expected
