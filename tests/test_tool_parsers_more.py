@@ -12,6 +12,7 @@ import pytest
 from ember.engine.tool_calls import select_tool_parser
 from ember.plugin import create_plugin_manager
 from ember.plugin.tool_parser import assemble
+from ember.plugins.tool_parsers.granite import GraniteToolParser
 from ember.plugins.tool_parsers.mistral import MistralToolParser
 from ember.plugins.tool_parsers.pythonic import PythonicToolParser
 from ember.testing import check_tool_parser
@@ -95,3 +96,27 @@ def test_pythonic_conforms_and_is_chosen_by_its_template():
 ])
 def test_pythonic_reads_calls_whole_and_in_random_chunks(text, expected):
     assert _read(PythonicToolParser, text) == expected
+
+
+# -- granite ------------------------------------------------------------------------
+GRANITE_TEMPLATE = "<|start_of_role|>assistant<|end_of_role|>{% if tool_calls %}<|tool_call|>{{ calls }}{% endif %}"
+
+
+def test_granite_conforms_and_is_chosen_by_its_template():
+    check_tool_parser(GraniteToolParser)
+    registry = create_plugin_manager().registries.tool_parsers
+    assert registry.owner("granite") == "tool_parser_granite"
+    assert select_tool_parser(registry, GRANITE_TEMPLATE) is GraniteToolParser
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"name": "other", "arguments": {"x": {"nested": [1, "]"]}}}]',
+     (None, [("get_weather", {"city": "Paris"}), ("other", {"x": {"nested": [1, "]"]}})])),
+    ('Sure. <|tool_call|>[{"name": "ping", "arguments": {}}]', ("Sure. ", [("ping", {})])),
+    ("<|tool_call|>oops", ("<|tool_call|>oops", [])),
+    ('<|tool_call|>[{"nam": "f"}]', ('<|tool_call|>[{"nam": "f"}]', [])),
+    ("<|tool_cal| no", ("<|tool_cal| no", [])),
+])
+def test_granite_reads_calls_whole_and_in_random_chunks(text, expected):
+    assert _read(GraniteToolParser, text) == expected
