@@ -15,6 +15,7 @@ from ember.plugin.tool_parser import assemble
 from ember.plugins.tool_parsers.granite import GraniteToolParser
 from ember.plugins.tool_parsers.mistral import MistralToolParser
 from ember.plugins.tool_parsers.pythonic import PythonicToolParser
+from ember.plugins.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from ember.testing import check_tool_parser
 
 
@@ -120,3 +121,39 @@ def test_granite_conforms_and_is_chosen_by_its_template():
 ])
 def test_granite_reads_calls_whole_and_in_random_chunks(text, expected):
     assert _read(GraniteToolParser, text) == expected
+
+
+# -- qwen3_coder --------------------------------------------------------------------
+QWEN3_CODER_TEMPLATE = (
+    "<|im_start|>system\n<tools>{{ tools }}</tools><tool_call>\n<function=example_function_name>\n"
+    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+)
+WEATHER = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_qwen3_coder_conforms_and_is_chosen_by_its_template():
+    check_tool_parser(Qwen3CoderToolParser)
+    registry = create_plugin_manager().registries.tool_parsers
+    assert registry.owner("qwen3_coder") == "tool_parser_qwen3_coder"
+    assert select_tool_parser(registry, QWEN3_CODER_TEMPLATE) is Qwen3CoderToolParser
+    assert select_tool_parser(registry, "<|im_start|>...<tool_call>").name == "hermes"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (WEATHER + "\n<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n"
+     '<parameter=opts>\n{"deep": [true, null]}\n</parameter>\n<parameter=note>\ntwo\nlines\n</parameter>\n'
+     "</function>\n</tool_call>",
+     (None, [("get_weather", {"city": "Paris"}), ("other", {"x": 1, "opts": {"deep": [True, None]},
+                                                           "note": "two\nlines"})])),
+    ("Let me look. " + WEATHER + " Done.", ("Let me look.  Done.", [("get_weather", {"city": "Paris"})])),
+    ("<tool_call><function=ping></function></tool_call>", (None, [("ping", {})])),
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>",  # the answer ended
+     (None, [("f", {"a": 1})])),
+    ("<tool_call>not xml</tool_call> after", ("<tool_call>not xml</tool_call> after", [])),
+    ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>",
+     ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>", [])),
+    ("<tool_call><function=f><parameter=a>1</function>", ("<tool_call><function=f><parameter=a>1</function>", [])),
+    ("<tool_ca", ("<tool_ca", [])),
+])
+def test_qwen3_coder_reads_calls_whole_and_in_random_chunks(text, expected):
+    assert _read(Qwen3CoderToolParser, text) == expected

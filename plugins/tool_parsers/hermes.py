@@ -23,6 +23,8 @@ class HermesToolParser(JsonToolCallParser):
 
     @classmethod
     def matches_template(cls, chat_template: str) -> bool:
+        if "<function=" in chat_template and "<parameter=" in chat_template:
+            return False  # Qwen3-Coder's XML calls (qwen3_coder)
         return "<tool_call>" in chat_template or "<|im_start|>" in chat_template
 
     def tool_prompt(self, tools: list[dict[str, Any]]) -> str:
