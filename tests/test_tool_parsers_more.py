@@ -60,6 +60,10 @@ def test_mistral_conforms_and_is_chosen_by_its_template():
     ("[TOOL_CALLS]not a call", ("[TOOL_CALLS]not a call", [])),
     ('[TOOL_CALLS][{"arguments": {"a": 1}}]', ('[TOOL_CALLS][{"arguments": {"a": 1}}]', [])),
     ("[TOOL_CALL] is not the marker", ("[TOOL_CALL] is not the marker", [])),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}[TOOL_CALLS]other[ARGS]{"x": {"y": "]"}}',
+     (None, [("get_weather", {"city": "Paris", "unit": "c"}), ("other", {"x": {"y": "]"}})])),
+    ('Sure. [TOOL_CALLS]ping[ARGS] {}', ("Sure. ", [("ping", {})])),
+    ("[TOOL_CALLS]not a name[ARGS]{}", ("[TOOL_CALLS]not a name[ARGS]{}", [])),
 ])
 def test_mistral_reads_calls_whole_and_in_random_chunks(text, expected):
     assert _read(MistralToolParser, text) == expected
