@@ -191,6 +191,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "(`ember plugins` lists them; default: off, docs/reasoning.md) [EMBER_REASONING_PARSER]",
     )
     group.add_argument(
+        "--tool-call-parser", metavar="NAME", default=None,
+        help="read `tool_choice: auto` answers with this parser: hermes, llama3_json, mistral, pythonic, granite, "
+        "qwen3_coder (`ember plugins` lists them; default: the one that reads the chat template's syntax, "
+        "docs/grammar.md) [EMBER_TOOL_CALL_PARSER]",
+    )
+    group.add_argument(
         "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )

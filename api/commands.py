@@ -96,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         grammar_backend=args.grammar_backend,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         quantize=args.quantize,
         dequantize=args.dequantize,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -128,8 +129,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         run_torchrun_worker(EngineConfig(**engine_config_kwargs(settings)))
         return 0
-    if settings.reasoning_parser is not None:
-        _check_reasoning_parser(settings)
+    if settings.reasoning_parser is not None or settings.tool_call_parser is not None:
+        _check_parsers(settings)
     try:
         status = serve(settings)
     except KVCacheTooSmallError as exc:  # said in the flags the user set, not the engine's fields
@@ -140,14 +141,18 @@ def run_serve(args: argparse.Namespace) -> int:
     return status or 0
 
 
-def _check_reasoning_parser(settings) -> None:
-    """A ValueError (exit 2, before the model loads) for a name no plugin registered."""
+def _check_parsers(settings) -> None:
+    """A ValueError (exit 2, before the model loads) for a --reasoning-parser or
+    --tool-call-parser name no plugin registered."""
     from ember.plugin import create_plugin_manager
 
-    registry = create_plugin_manager(settings.disabled_plugins, settings.required_plugins).registries.reasoning_parsers
-    if settings.reasoning_parser not in registry:
-        raise ValueError(f"--reasoning-parser {settings.reasoning_parser!r} is not a registered reasoning parser; "
-                         f"registered: {', '.join(registry.names()) or 'none'}")
+    registries = create_plugin_manager(settings.disabled_plugins, settings.required_plugins).registries
+    for flag, name, registry, kind in (
+        ("--reasoning-parser", settings.reasoning_parser, registries.reasoning_parsers, "reasoning parser"),
+        ("--tool-call-parser", settings.tool_call_parser, registries.tool_parsers, "tool-call parser"),
+    ):
+        if name is not None and name not in registry:
+            raise ValueError(f"{flag} {name!r} is not a registered {kind}; registered: {', '.join(registry.names()) or 'none'}")
 
 
 def run_watermark_detect(args: argparse.Namespace) -> int:

@@ -74,7 +74,12 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
         version=ember.__version__,
         created=int(time.time()),
         reasoning_parser=settings.reasoning_parser,
+        tool_call_parser=settings.tool_call_parser,
     )
+    if settings.tool_call_parser is not None and settings.tool_call_parser not in engine.plugin_manager.registries.tool_parsers:
+        registered = ", ".join(engine.plugin_manager.registries.tool_parsers.names()) or "none"
+        raise ValueError(f"--tool-call-parser {settings.tool_call_parser!r} is not a registered tool-call parser; "
+                         f"registered: {registered}")
     service = GenerationService(engine, limits, info)
     if model_id in engine.adapters():
         raise ValueError(f"--lora-modules: adapter name {model_id!r} is the served model's name; choose another")

@@ -58,6 +58,7 @@ class ServedModel:
     version: str
     created: int
     reasoning_parser: str | None = None  # --reasoning-parser: its registered name, None when off
+    tool_call_parser: str | None = None  # --tool-call-parser: its registered name, None: chosen by the chat template
 
 
 class GenerationService:

@@ -84,6 +84,8 @@ class ServerSettings:
     grammar_compile_timeout: float = 60.0
     # --reasoning-parser NAME (docs/reasoning.md): chat answers' reasoning as reasoning_content; None: off
     reasoning_parser: str | None = None
+    # --tool-call-parser NAME (docs/grammar.md): the parser of `tool_choice: "auto"` answers; None: the chat template's
+    tool_call_parser: str | None = None
     # quantized weights (docs/quantization.md): --quantize NAME, --dequantize
     quantize: str | None = None
     dequantize: bool = False

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
+import httpx
 import pytest
 
 from ember.engine.tool_calls import select_tool_parser
@@ -161,3 +163,69 @@ def test_qwen3_coder_conforms_and_is_chosen_by_its_template():
 ])
 def test_qwen3_coder_reads_calls_whole_and_in_random_chunks(text, expected):
     assert _read(Qwen3CoderToolParser, text) == expected
+
+
+# -- --tool-call-parser ----------------------------------------------------------------
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ANSWERS = {  # each parser's syntax, written by the grammar so the tiny random model "calls" get_weather
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "pythonic": '[get_weather(city="Paris")]',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+}
+
+
+def test_tool_call_parser_flag_names_the_parser_of_auto_answers(tiny_llama_dir, tmp_path):
+    """With --tool-call-parser the named parser reads `auto` answers (here written by a
+    grammar in that parser's syntax) into `tool_calls`, whatever the chat template (the
+    tiny model's ChatML one would choose hermes), and the tools are described to the model
+    in that parser's words."""
+    from server_utils import running_server
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    prompt_tokens = {}
+    for name, answer in ANSWERS.items():
+        with running_server(model_dir, engine={"num_kv_blocks": 512}, tool_call_parser=name) as server:
+            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": WEATHER,
+                "tool_choice": "auto", "max_tokens": 200, "guided_choice": [answer]})
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", (name, choice)
+            [call] = choice["message"]["tool_calls"]
+            assert call["function"]["name"] == "get_weather"
+            assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+            assert not choice["message"]["content"]
+            prompt_tokens[name] = reply.json()["usage"]["prompt_tokens"]
+    assert len(set(prompt_tokens.values())) == len(ANSWERS), prompt_tokens  # each parser's own tool prompt
+
+
+def test_auto_without_a_parser_for_the_template_says_how_to_name_one():
+    from ember.engine.tool_calls import setup_tools
+    from ember.testing.tiny_models import CHAT_TEMPLATE
+
+    registry = create_plugin_manager().registries.tool_parsers
+    with pytest.raises(ValueError, match="--tool-call-parser NAME"):
+        setup_tools(WEATHER, "auto", None, registry, CHAT_TEMPLATE)
+    assert setup_tools(WEATHER, "auto", None, registry, CHAT_TEMPLATE, "pythonic").parser is PythonicToolParser
+    with pytest.raises(ValueError, match="'nope' is not registered; registered: granite, hermes"):
+        setup_tools(WEATHER, "auto", None, registry, CHAT_TEMPLATE, "nope")
+
+
+def test_tool_call_parser_flag_refuses_an_unknown_name(tiny_llama_dir, monkeypatch, capsys):
+    from ember.api.cli import main
+
+    assert main(["serve", "--model-id", "/nonexistent", "--tool-call-parser", "nope"]) == 2
+    assert "--tool-call-parser 'nope' is not a registered tool-call parser; registered: granite, hermes" in (
+        capsys.readouterr().err)
+    monkeypatch.setenv("EMBER_TOOL_CALL_PARSER", "also_nope")
+    assert main(["serve", "--model-id", "/nonexistent"]) == 2
+    assert "'also_nope'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a registered tool-call parser"):
+        from server_utils import running_server
+
+        with running_server(tiny_llama_dir, tool_call_parser="nope"):
+            pass

@@ -162,7 +162,8 @@ class ChatRoutes(OpenAIRoutes):
         client = self.service.client
         try:
             return setup_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                               client.plugin_manager.registries.tool_parsers, client.chat_template)
+                               client.plugin_manager.registries.tool_parsers, client.chat_template,
+                               self.service.info.tool_call_parser)
         except ValueError as exc:
             param = "tools" if str(exc).startswith("tools") else "tool_choice"
             raise bad_request(str(exc), param) from None
@@ -235,7 +236,7 @@ class ChatRoutes(OpenAIRoutes):
             tools = None
             if setup.tools or any("tool_calls" in m for m in plain):
                 registry = client.plugin_manager.registries.tool_parsers
-                plain, tools = chat_messages(plain, setup, registry, client.chat_template)
+                plain, tools = chat_messages(plain, setup, registry, client.chat_template, self.service.info.tool_call_parser)
             return client.apply_chat_template(plain, tools)
         except (ValueError, TemplateError) as exc:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None

@@ -107,8 +107,16 @@ def forced_call_constraint(tools: list[dict[str, Any]], choice: str, name: str |
     return Constraint.json_schema({"type": "array", "items": one, "minItems": 1} if parallel else one)
 
 
-def select_tool_parser(registry: Registry, chat_template: str | None) -> type[BaseToolParser] | None:
-    """The first registered parser (by name) that reads this template's syntax."""
+def select_tool_parser(
+    registry: Registry, chat_template: str | None, name: str | None = None,
+) -> type[BaseToolParser] | None:
+    """The parser named by ``name`` (``--tool-call-parser``; ValueError for one not
+    registered), else the first registered parser (by name) that reads this template's
+    syntax."""
+    if name is not None:
+        if name not in registry:
+            raise ValueError(f"tool-call parser {name!r} is not registered; registered: {', '.join(registry.names()) or 'none'}")
+        return registry.get(name)
     if not chat_template:
         return None
     for name in registry.names():
@@ -120,21 +128,24 @@ def select_tool_parser(registry: Registry, chat_template: str | None) -> type[Ba
 
 def setup_tools(
     tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, registry: Registry, chat_template: str | None,
+    parser_name: str | None = None,
 ) -> ToolSetup:
     """Check a chat's tools and choice; ValueError naming the problem (a choice naming
-    no tool, ``auto`` for a model no parser reads)."""
+    no tool, ``auto`` for a model no parser reads). ``parser_name``: the parser that
+    reads ``auto`` answers (``--tool-call-parser``) instead of the template's."""
     tools = check_tools(tools) if tools is not None else []
     choice, name = resolve_choice(tools, tool_choice)
     if choice == "none":
         return NO_TOOLS
     max_calls = 1 if parallel_tool_calls is False else None
     if choice == "auto":
-        parser = select_tool_parser(registry, chat_template)
+        parser = select_tool_parser(registry, chat_template, parser_name)
         if parser is None:
             known = ", ".join(registry.names()) or "none"
             raise ValueError(
                 f'tool_choice "auto" needs a tool-call parser for this model\'s chat template; none of the '
-                f'registered ones ({known}) reads it. Use "required" or a named function (a grammar writes the call)'
+                f'registered ones ({known}) reads it. Use "required" or a named function (a grammar writes the call), '
+                "or start the server with --tool-call-parser NAME"
             )
         return ToolSetup(tuple(tools), "auto", None, parser, max_calls)
     parallel = max_calls is None and choice == "required"
@@ -149,6 +160,7 @@ def renders_tools(chat_template: str | None) -> bool:
 
 def chat_messages(
     messages: list[dict[str, Any]], setup: ToolSetup, registry: Registry, chat_template: str | None,
+    parser_name: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and the ``tools`` argument to give the chat template. Assistant
     calls' arguments become objects (templates write them with ``tojson``); for a
@@ -165,7 +177,7 @@ def chat_messages(
         plain.append(message)
     if renders_tools(chat_template):
         return plain, list(setup.tools) or None
-    parser = select_tool_parser(registry, chat_template) or ForcedToolCallParser
+    parser = select_tool_parser(registry, chat_template, parser_name) or ForcedToolCallParser
     writer = parser()
     for message in plain:
         calls = message.pop("tool_calls", None)
