@@ -149,7 +149,12 @@ BAD = [
     ({"max_tokens": None}, 400, "max_tokens"),
     ({"messages": [{"role": "system", "content": "x"}]}, 400, "messages.0.role"),
     ({"nonsense": 1}, 400, "nonsense"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "--reasoning-parser"),  # none on this server
+    ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, 400, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 9}}, 400, "thinking.budget_tokens"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking"}]}]}, 400, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]}, 400,
+     "messages[0].content[0].type"),
     ({"mcp_servers": []}, 400, "mcp_servers"),
     ({"container": "c"}, 400, "container"),
     ({"output_config": {"effort": "low"}}, 400, "output_config"),
@@ -240,3 +245,60 @@ def test_unknown_model_is_a_404_with_adapters_on(tiny_llama_dir):
             assert r.status_code == 404, r.text
             assert r.json()["error"]["type"] == "not_found_error" and "nope" in r.json()["error"]["message"]
             assert raw.post(path, json={**body, "model": "tiny"}).status_code == 200
+
+
+# -- reasoning models: thinking blocks ------------------------------------------------------------
+def test_earlier_thinking_blocks_stay_out_of_the_prompt(http):
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]},
+             {"role": "user", "content": "and?"}]
+    with_thinking = [plain[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "let me see", "signature": "abc"}, {"type": "redacted_thinking", "data": "x"},
+        {"type": "text", "text": "yo"}]}, plain[2]]
+    counts = [http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": m}).json()
+              for m in (plain, with_thinking)]
+    assert counts[0] == counts[1] and counts[0]["input_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_llama_dir, tmp_path_factory):
+    """deepseek_r1 reads an answer as reasoning until `</think>` (its template opens the
+    tag in the prompt), so the tiny model's whole answer is thinking."""
+    path = tmp_path_factory.mktemp("tiny-thinking") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    with running_server(path, engine={"num_kv_blocks": 512}, max_total_tokens=2048, max_input_tokens=200,
+                        served_model_name="tiny", reasoning_parser="deepseek_r1") as running:
+        yield running
+
+
+def test_reasoning_comes_back_as_a_thinking_block(thinking_server):
+    with anthropic.Anthropic(base_url=thinking_server.url, api_key="none", max_retries=0, timeout=120) as client, \
+            httpx.Client(base_url=thinking_server.url, timeout=120) as http:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 12,
+                                                        "temperature": 0}).json()["choices"][0]["message"]
+        assert chat["reasoning_content"] and not chat["content"]
+        r = create(client, max_tokens=12)
+        [block] = r.content
+        assert block.type == "thinking" and block.thinking == chat["reasoning_content"] and block.signature == ""
+        text = block.thinking
+        start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i: i + 2])
+        enabled = create(client, max_tokens=1100, thinking={"type": "enabled", "budget_tokens": 1024},
+                         stop_sequences=[text[start: start + 2]])  # stops early: no 1100 tokens to wait for
+        assert [(b.type, b.thinking) for b in enabled.content] == [("thinking", text[: text.find(text[start: start + 2])])]
+        assert create(client, max_tokens=12, thinking={"type": "disabled"}).content == []  # thinking left out
+        with client.messages.stream(model="tiny", max_tokens=12, messages=MESSAGES, extra_body=GREEDY) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, b.thinking) for b in final.content] == [("thinking", block.thinking)]
+        with http.stream("POST", "/v1/messages", json={**BASE, "max_tokens": 12, "stream": True,
+                                                       "temperature": 0}) as raw:
+            data = [json.loads(line.removeprefix("data: ")) for line in raw.iter_lines() if line.startswith("data: ")]
+        kinds = [d["type"] if d["type"] != "content_block_delta" else d["delta"]["type"] for d in data]
+        assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+        assert data[2]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+        assert set(kinds[3:-4]) == {"thinking_delta"}
+        assert kinds[-4:] == ["signature_delta", "content_block_stop", "message_delta", "message_stop"]
+        r = http.post("/v1/messages", json={**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        assert r.status_code == 400 and "must be less than `max_tokens`" in r.json()["error"]["message"]
+        r = http.post("/v1/messages", json={**BASE, "thinking": {"type": "enabled"}})
+        assert r.status_code == 400 and "`thinking.budget_tokens` is required" in r.json()["error"]["message"]

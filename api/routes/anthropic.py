@@ -6,8 +6,11 @@ calls, a user's ``tool_result`` blocks tool messages; ``tools`` function tools a
 ``tool_choice`` auto / any / tool / none the chat's auto / required / named function /
 none. That request then runs through `ChatRoutes` (the chat template with tools, the
 tool-call parser, forced calls by grammar), and the answer is written back as text and
-``tool_use`` blocks, streamed with Anthropic's event sequence. Errors have Anthropic's
-shape (`Flavor.ANTHROPIC`); a malformed request is a 400 naming the field.
+``tool_use`` blocks, streamed with Anthropic's event sequence; with --reasoning-parser the
+reasoning comes first as a ``thinking`` block (``thinking_delta`` events, an empty
+signature), unless ``thinking`` is disabled. Earlier turns' thinking blocks are accepted
+and left out of the prompt. Errors have Anthropic's shape (`Flavor.ANTHROPIC`); a
+malformed request is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from ember.api.schemas import openai as oa
 from ember.api.structured_outputs import failure
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup
 from ember.outputs import RequestOutput
+from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
 from ember.plugin.tool_parser import ParserDelta
 
-BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+THINKING_BLOCKS = {"thinking": an.ThinkingBlock, "redacted_thinking": an.RedactedThinkingBlock}
 
 
 def event(name: str, payload: dict) -> bytes:
@@ -85,8 +90,10 @@ def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
             if kind not in BLOCK_TYPES[message.role]:
                 allowed = " and ".join(repr(t) for t in BLOCK_TYPES[message.role])
                 raise bad_request(f"`{where}.type` is {kind!r}: Ember supports only {allowed} blocks in a "
-                                  f"{message.role} message (no images, documents or thinking)", f"{where}.type")
-            if kind == "text":
+                                  f"{message.role} message (no images or documents)", f"{where}.type")
+            if kind in THINKING_BLOCKS:  # earlier thinking stays out of the prompt, as in Anthropic's API
+                _block(THINKING_BLOCKS[kind], block, where)
+            elif kind == "text":
                 texts.append(_block(an.TextBlock, block, where).text)
             elif kind == "tool_use":
                 use = _block(an.ToolUseBlock, block, where)
@@ -168,8 +175,9 @@ class MessagesRoutes(ChatRoutes):
         try:
             body = await self._read(request, an.MessagesRequest)
             job, setup = await self.service.run_blocking(self._messages_job, body)
+            thinker = self._reasoning_parser() if self._shows_thinking(body) else None
             if body.stream:
-                return await self._stream(lambda outs: self._message_events(body, job, setup, outs), [job])
+                return await self._stream(lambda outs: self._message_events(body, job, setup, thinker, outs), [job])
             outs = await self._run(request, [job])
             if outs is not None and job.params.constraint is not None:
                 self._check_failures(outs, [job])
@@ -178,7 +186,12 @@ class MessagesRoutes(ChatRoutes):
         if outs is None:
             return Response(status_code=499)
         out = outs[0]
-        content, has_calls = self._content(out.outputs[0].text, setup)
+        text, reasoning = out.outputs[0].text, None
+        if self._reasoning_parser() is not None:
+            reasoning, text = self._reasoning_parser()().extract(text)
+        content, has_calls = self._content(text, setup)
+        if reasoning and thinker is not None:
+            content.insert(0, {"type": "thinking", "thinking": reasoning, "signature": ""})
         reason, sequence = stop_reason(out, has_calls)
         return JSONResponse(an.MessageResponse(
             id=f"msg_{uuid.uuid4().hex}", model=body.model, content=content, stop_reason=reason,
@@ -200,10 +213,29 @@ class MessagesRoutes(ChatRoutes):
     def _count(self, body: an.CountTokensRequest) -> int:
         """The templated prompt's tokens (tools included), as /v1/messages would send them."""
         self.service.adapter_for_model(body.model)
+        self._shows_thinking(body)
         chat = chat_request(body)
         setup = self._tool_setup(chat) if chat.tools or chat.tool_choice is not None else NO_TOOLS
         prompt = self._chat_prompt(chat.messages, setup)
         return len(self.service.encode(prompt, add_special_tokens=False))
+
+    def _shows_thinking(self, body: an.CountTokensRequest) -> bool:
+        """Whether the answer carries the reasoning as ``thinking`` blocks (with
+        --reasoning-parser, unless ``thinking`` is disabled); a 400 for a ``thinking``
+        Ember cannot honour. Without a parser there is no reasoning to show."""
+        thinking = body.thinking
+        if thinking is not None and thinking.type == "disabled" and thinking.budget_tokens is not None:
+            raise bad_request('`thinking.budget_tokens` is only allowed with type "enabled"', "thinking.budget_tokens")
+        if thinking is not None and thinking.type == "enabled":
+            if self._reasoning_parser() is None:
+                raise bad_request("`thinking` needs a reasoning parser: start `ember serve` with --reasoning-parser NAME "
+                                  "(docs/reasoning.md)", "thinking")
+            if thinking.budget_tokens is None:
+                raise bad_request('`thinking.budget_tokens` is required with type "enabled"', "thinking.budget_tokens")
+            if isinstance(body, an.MessagesRequest) and thinking.budget_tokens >= body.max_tokens:
+                raise bad_request(f"`thinking.budget_tokens` ({thinking.budget_tokens}) must be less than `max_tokens` "
+                                  f"({body.max_tokens})", "thinking.budget_tokens")
+        return self._reasoning_parser() is not None and (thinking is None or thinking.type == "enabled")
 
     def _messages_job(self, body: an.MessagesRequest) -> tuple[Job, ToolSetup]:
         self.service.adapter_for_model(body.model)  # a 404 before the messages are read
@@ -228,14 +260,20 @@ class MessagesRoutes(ChatRoutes):
         return blocks, True
 
     async def _message_events(
-        self, body: an.MessagesRequest, job: Job, setup: ToolSetup, outputs: AsyncIterator
+        self, body: an.MessagesRequest, job: Job, setup: ToolSetup, thinker: type[BaseReasoningParser] | None,
+        outputs: AsyncIterator,
     ) -> AsyncIterator[bytes]:
+        """Anthropic's event sequence. ``thinker``: the reasoning parser whose reasoning is
+        streamed as a ``thinking`` block (None: no thinking blocks; with --reasoning-parser
+        and thinking disabled the reasoning is still kept out of the text)."""
         yield event("message_start", {"type": "message_start", "message": {
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(job.prompt_ids), "output_tokens": 0}}})
         yield event("ping", {"type": "ping"})
         parser = setup.parser() if setup.parser else None
+        reasoning_cls = self._reasoning_parser()
+        reader = reasoning_cls() if reasoning_cls is not None else None
         blocks: list[str] = []  # the kind of each block started; the last one is open until stopped
         is_open = False
         num_tokens, has_calls, last = 0, False, None
@@ -251,7 +289,8 @@ class MessagesRoutes(ChatRoutes):
         def stop_block() -> bytes:
             nonlocal is_open
             is_open = False
-            return event("content_block_stop", {"type": "content_block_stop", "index": len(blocks) - 1})
+            stop = event("content_block_stop", {"type": "content_block_stop", "index": len(blocks) - 1})
+            return delta({"type": "signature_delta", "signature": ""}) + stop if blocks[-1] == "thinking" else stop
 
         def delta(payload: dict) -> bytes:
             return event("content_block_delta", {"type": "content_block_delta", "index": len(blocks) - 1,
@@ -264,9 +303,21 @@ class MessagesRoutes(ChatRoutes):
                     raise error
                 num_tokens += len(out.new_token_ids)
                 last = out
-                parsed = ParserDelta(out.new_text)
+                text = out.new_text
+                if reader is not None:  # the reasoning first; the tool parser reads what follows it
+                    piece = reader.feed(text)
+                    if out.finished:
+                        end = reader.finish()
+                        piece = ReasoningDelta(piece.reasoning + end.reasoning, piece.content + end.content)
+                    text = piece.content
+                    if piece.reasoning and thinker is not None:
+                        if not (is_open and blocks[-1] == "thinking"):
+                            for item in start({"type": "thinking", "thinking": "", "signature": ""}):
+                                yield item
+                        yield delta({"type": "thinking_delta", "thinking": piece.reasoning})
+                parsed = ParserDelta(text)
                 if parser is not None:
-                    parsed = parser.feed(out.new_text)
+                    parsed = parser.feed(text)
                     if out.finished:
                         end = parser.finish()
                         parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)

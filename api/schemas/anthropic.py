@@ -1,8 +1,9 @@
 """Anthropic Messages API shapes: POST /v1/messages and /v1/messages/count_tokens.
 
 Requests are validated strictly (unknown fields refused, no "5" for 5). Fields of the
-Messages API that Ember cannot honour (`thinking`, `mcp_servers`, `container`, image and
-document blocks, server tools) are named by a 400 (`UNSUPPORTED_FIELDS`), never ignored.
+Messages API that Ember cannot honour (`mcp_servers`, `container`, image and document
+blocks, server tools; `thinking` without a reasoning parser) are named by a 400
+(`UNSUPPORTED_FIELDS`), never ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from ember.api.schemas.openai import _one_of
 
 # top-level fields of Anthropic's API that Ember refuses by name (a 400 saying why)
 UNSUPPORTED_FIELDS = {
-    "thinking": "extended thinking (no reasoning parser is configured)",
     "mcp_servers": "MCP servers",
     "container": "code-execution containers",
     "context_management": "context management",
@@ -42,6 +42,20 @@ class ToolUseBlock(Strict):
     name: str = Field(min_length=1, max_length=256)
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = Field(None, description="accepted and ignored")
+
+
+class ThinkingBlock(Strict):
+    """An earlier answer's thinking, sent back: accepted and left out of the prompt (as
+    Anthropic's API leaves earlier turns' thinking out of the context)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = Field(None, description="accepted and ignored (Ember signs nothing)")
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
 
 
 class ToolResultBlock(Strict):
@@ -87,11 +101,22 @@ class ToolChoice(Strict):
     disable_parallel_tool_use: bool | None = Field(None, description="at most one tool call")
 
 
+class Thinking(Strict):
+    """Extended thinking: with ``ember serve --reasoning-parser``, the model's reasoning as
+    ``thinking`` blocks (``enabled``) or left out of the answer (``disabled``)."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(
+        None, ge=1024, description='with "enabled", required as by Anthropic (>= 1024, < max_tokens); checked, '
+        "not enforced apart from max_tokens (docs/api.md)")
+
+
 class CountTokensRequest(System):
     model: str = Field(max_length=512, description="the served model's name or a loaded LoRA adapter's")
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = Field(None, description="only with --reasoning-parser (else a 400)")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -115,7 +140,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[dict[str, Any]] = Field(description="`text` and `tool_use` blocks")
+    content: list[dict[str, Any]] = Field(description="`thinking`, `text` and `tool_use` blocks")
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: Usage
