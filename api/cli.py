@@ -252,6 +252,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a client gets to send a request body once its headers arrived; slower uploads get 408 "
         "(default 30) [EMBER_REQUEST_BODY_TIMEOUT]",
     )
+    production.add_argument(
+        "--responses-store-size", metavar="N", type=int, default=None,
+        help="responses /v1/responses keeps for GET and previous_response_id, oldest out first; 0 stores none "
+        "(default 256) [EMBER_RESPONSES_STORE_SIZE]",
+    )
+    production.add_argument(
+        "--responses-store-ttl", metavar="SECONDS", type=float, default=None,
+        help="seconds a stored response is kept (default 3600) [EMBER_RESPONSES_STORE_TTL]",
+    )
     limits = parser.add_argument_group("limits")
     for flag, help_text in [
         ("--max-concurrent-requests", "requests in flight before answering 429 (default 128)"),

@@ -108,6 +108,9 @@ class ServerSettings:
     # Seconds a client gets to send a request's whole body once its headers arrived
     # (slow or stalled uploads are answered 408 and do not count as in flight).
     request_body_timeout: float = 30.0
+    # the Responses API's stored responses (docs/api.md): at most this many (0: store none), each this many seconds
+    responses_store_size: int = 256
+    responses_store_ttl: float = 3600.0
     # speculative decoding (docs/speculative.md): an ember.plugin.speculator.SpeculativeConfig or None
     speculative_config: Any = None
     # tensor and pipeline parallelism (docs/parallel.md): worker processes per stage, stages
@@ -194,6 +197,11 @@ class ServerSettings:
         timeout = self.request_body_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"--request-body-timeout must be a number of seconds > 0, got {timeout!r}")
+        size, ttl = self.responses_store_size, self.responses_store_ttl
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"--responses-store-size must be an integer >= 0 (0: store none), got {size!r}")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+            raise ValueError(f"--responses-store-ttl must be a number of seconds > 0, got {ttl!r}")
 
     def check_consistency(self) -> None:
         """Refuse limits that contradict each other, naming both."""

@@ -1,0 +1,323 @@
+"""/v1/responses (OpenAI's Responses API), end to end: a real uvicorn server with an API key
+on the tiny random Llama, the official `openai` SDK (create, stream, retrieve, parse, delete),
+raw httpx for the error bodies and the SSE event sequence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from server_utils import running_server, wait_idle  # noqa: E402
+
+KEY = "sekrit"
+MAX_TOTAL_TOKENS = 2048  # byte tokens: a tool prompt is several hundred
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "weather in a city", "parameters": WEATHER,
+          "strict": True}]
+BASE = {"model": "tiny", "input": "hello", "max_output_tokens": 5, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-responses") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_TOTAL_TOKENS}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir, engine={"num_kv_blocks": 1024}, max_total_tokens=MAX_TOTAL_TOKENS,
+                        served_model_name="tiny", api_key=KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120, headers={"authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def create(client, **kwargs):
+    return client.responses.create(**{**BASE, **kwargs})
+
+
+def prompt_ids(server, messages):
+    service = server.app.state.service
+    return service.encode(service.client.apply_chat_template(messages, None), add_special_tokens=False)
+
+
+def chat_text(http, messages, max_tokens=5):
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                                                "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def events_of(http, body):
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = list(r.iter_lines())
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert [d["type"] for d in data] == names  # every event's name is its data's type
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    return data
+
+
+def test_plain_text_is_the_chat_answer(client, server, http):
+    r = create(client)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    [part] = message.content
+    assert part.type == "output_text" and part.annotations == [] and part.text == r.output_text
+    assert r.output_text == chat_text(http, [{"role": "user", "content": "hello"}])
+    # the tiny model never draws EOS: cut by max_output_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert message.status == "incomplete"
+    usage = r.usage
+    assert usage.input_tokens == len(prompt_ids(server, [{"role": "user", "content": "hello"}]))
+    assert usage.output_tokens == 5 and usage.total_tokens == usage.input_tokens + 5
+    assert usage.output_tokens_details.reasoning_tokens == 0 and usage.input_tokens_details.cached_tokens >= 0
+    assert r.store is True and r.tools == [] and r.text.format.type == "text" and r.truncation == "disabled"
+
+
+def test_item_list_input_and_instructions(client, server, http):
+    items = [{"role": "developer", "content": "be brief"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hel"},
+                                                             {"type": "input_text", "text": "lo"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "hi", "annotations": []}]},
+             {"role": "user", "content": "again"}]
+    r = create(client, input=items, instructions="you are tiny")
+    messages = [{"role": "system", "content": "you are tiny"}, {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hel\nlo"}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "again"}]
+    assert r.usage.input_tokens == len(prompt_ids(server, messages))
+    assert r.output_text == chat_text(http, messages)
+    assert r.instructions == "you are tiny"
+
+
+def test_streamed_events_join_to_the_answer(client, http):
+    whole = create(client, max_output_tokens=12)
+    data = events_of(http, {**BASE, "max_output_tokens": 12})
+    names = [d["type"] for d in data]
+    assert names[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert names[-5:] == ["response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert data[0]["response"]["status"] == "in_progress" and data[0]["response"]["output"] == []
+    text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert text == whole.output_text
+    assert next(d for d in data if d["type"] == "response.output_text.done")["text"] == text
+    final = data[-1]["response"]
+    assert final["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == text
+    assert final["usage"]["output_tokens"] == 12 and final["usage"]["input_tokens"] == whole.usage.input_tokens
+    # the SDK reads the same stream (create(stream=True))
+    sdk = list(create(client, max_output_tokens=12, stream=True))
+    assert [e.type for e in sdk] == names
+    assert sdk[-1].response.output_text == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(client, stream):
+    kwargs = dict(max_output_tokens=200, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        with client.responses.stream(**{**BASE, **kwargs}) as s:
+            events = [e.type for e in s]
+            r = s.get_final_response()
+        assert "response.function_call_arguments.delta" in events and events[-1] == "response.completed"
+    else:
+        r = create(client, **kwargs)
+    assert r.status == "completed"
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    turn = [{"role": "user", "content": "hello"}, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21"}]
+    answer = create(client, input=turn, tools=TOOLS, tool_choice="none", max_output_tokens=4)
+    assert answer.output[0].type == "message" and answer.output_text
+    plain = create(client, tools=TOOLS, tool_choice="none", max_output_tokens=1)
+    assert answer.usage.input_tokens > plain.usage.input_tokens + 10  # the call and its output are in the prompt
+
+
+def test_required_tool_choice_and_parallel_calls(client):
+    r = create(client, max_output_tokens=300, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and r.parallel_tool_calls is False
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    unit: str
+
+
+def test_text_format_json_schema_and_parse(client):
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    r = create(client, max_output_tokens=200, text={"format": fmt})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    parsed = client.responses.parse(**{**BASE, "max_output_tokens": 200}, text_format=Weather)
+    assert isinstance(parsed.output_parsed, Weather)
+    obj = create(client, max_output_tokens=200, text={"format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_previous_response_id_continues_and_retrieve(client, http, server):
+    first = create(client)
+    second = create(client, input="and then?", previous_response_id=first.id)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "and then?"}]
+    assert second.usage.input_tokens == len(prompt_ids(server, messages))
+    assert second.output_text == chat_text(http, messages)
+    assert second.previous_response_id == first.id
+    third = create(client, input="more", previous_response_id=second.id)  # the chain holds all three turns
+    assert third.usage.input_tokens > second.usage.input_tokens + first.usage.output_tokens
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text and got.usage == second.usage
+    deleted = http.delete(f"/v1/responses/{first.id}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": first.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(first.id)
+    assert first.id in str(info.value)
+
+
+def test_stored_streamed_response(client, http):
+    data = events_of(http, BASE)
+    got = client.responses.retrieve(data[-1]["response"]["id"])
+    assert got.output_text == "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+
+
+def test_unknown_ids_store_false_and_cancel(client, http):
+    for path in ("/v1/responses/resp_nope",):
+        r = http.get(path)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and "resp_nope" in r.text
+    r = http.post("/v1/responses", json={**BASE, "previous_response_id": "resp_nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id" and "resp_nope" in r.text
+    unstored = create(client, store=False)
+    assert unstored.store is False
+    assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
+    assert http.delete(f"/v1/responses/{unstored.id}").status_code == 404
+    stored = create(client)
+    r = http.post(f"/v1/responses/{stored.id}/cancel")
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
+
+
+def test_store_bounds_size_and_age(model_dir):
+    with running_server(model_dir, engine={"num_kv_blocks": 1024}, max_total_tokens=MAX_TOTAL_TOKENS,
+                        served_model_name="tiny", responses_store_size=2, responses_store_ttl=1.5) as running, \
+            httpx.Client(base_url=running.url, timeout=60) as raw:
+        ids = [raw.post("/v1/responses", json=BASE).json()["id"] for _ in range(3)]
+        assert [raw.get(f"/v1/responses/{i}").status_code for i in ids] == [404, 200, 200]  # the oldest left
+        time.sleep(1.6)
+        r = raw.post("/v1/responses", json={**BASE, "previous_response_id": ids[2]})
+        assert r.status_code == 404 and ids[2] in r.json()["error"]["message"]  # expired
+    with running_server(model_dir, engine={"num_kv_blocks": 1024}, max_total_tokens=MAX_TOTAL_TOKENS,
+                        responses_store_size=0) as running, \
+            httpx.Client(base_url=running.url, timeout=60) as raw:
+        first = raw.post("/v1/responses", json=BASE).json()
+        assert first["store"] is True and raw.get(f"/v1/responses/{first['id']}").status_code == 404
+
+
+def test_store_unit_bounds():
+    from ember.api.responses_store import ResponsesStore
+
+    now = [0.0]
+    store = ResponsesStore(2, 10.0, clock=lambda: now[0])
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [], "m")
+        now[0] += 4
+    assert store.get("r0") is None and store.get("r1") is not None and len(store) == 2
+    now[0] = 14.5  # r1 was stored at 4: 10.5 s old
+    assert store.get("r1") is None and store.get("r2") is not None
+    with pytest.raises(ValueError):
+        ResponsesStore(-1, 1.0)
+
+
+BAD = [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "computer_use_preview"}]}, "tools[0].type"),
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+    ({"tools": [{"type": "image_generation"}]}, "tools[0].type"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"nonsense": 1}, "nonsense"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ({"input": [5]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"temperature": 3}, "temperature"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"metadata": {"k": 1}}, "metadata.k"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD)
+def test_bad_input_is_a_400_naming_the_field(http, server, change, param):
+    r = http.post("/v1/responses", json={**BASE, **change})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    wait_idle(server.app)
+
+
+def test_limits_name_responses_fields(http):
+    r = http.post("/v1/responses", json={**BASE, "max_output_tokens": 5000})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "max_output_tokens", r.text
+    r = http.post("/v1/responses", json={**BASE, "input": "x" * 100_000})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "input", r.text
+    with httpx.Client(base_url=http.base_url, timeout=30) as raw:
+        assert raw.post("/v1/responses", json=BASE).status_code == 401
+
+
+def test_openapi_documents_the_routes(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert "post" in paths["/v1/responses"] and "get" in paths["/v1/responses/{response_id}"]
+    assert "delete" in paths["/v1/responses/{response_id}"]
+
+
+def test_unknown_model_is_a_404_with_adapters_on(tiny_llama_dir):
+    with running_server(tiny_llama_dir, engine={"enable_lora": True}, max_total_tokens=64,
+                        served_model_name="tiny") as running, httpx.Client(base_url=running.url, timeout=60) as raw:
+        r = raw.post("/v1/responses", json={**BASE, "model": "nope", "max_output_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "nope" in r.text
+        assert raw.post("/v1/responses", json={**BASE, "max_output_tokens": 2}).status_code == 200
