@@ -163,6 +163,13 @@ class EngineConfig:
     # except bfloat16 beside quantized base weights computed in float32 (a 4-bit base's
     # own rounding is far larger; a batch-1 decode then streams half the adapter bytes)
     lora_dtype: str = "auto"
+    # Pooling requests (embeddings, docs/embeddings.md): "auto" reads the model's
+    # sentence-transformers config (modules.json, 1_Pooling/config.json), else "last";
+    # pooling_normalize None: normalised when that config has a Normalize module (or has
+    # none); matryoshka None: as the model's config.json says (is_matryoshka / matryoshka_dimensions)
+    pooling: str = "auto"
+    pooling_normalize: bool | None = None
+    matryoshka: bool | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -244,6 +251,11 @@ class EngineConfig:
             raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if self.pooling not in ("auto", "last", "mean", "cls"):
+            raise ValueError(f"pooling must be one of auto, last, mean, cls, got {self.pooling!r}")
+        for name in ("pooling_normalize", "matryoshka"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.lora_enabled:
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
                 raise ValueError("LoRA adapters do not combine with tensor or pipeline parallelism yet: got "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.logprobs import Logprob
 
@@ -86,3 +87,27 @@ class RequestOutput:
     candidates: list[CompletionOutput] | None = None
     # the request's timings as of this output (a copy: the engine keeps updating its own)
     metrics: RequestMetrics | None = None
+    # a pooling request's vector (SamplingParams.pooling; a float32 CPU tensor), on its final
+    # output; None for a generating request
+    pooled: Any = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """What `LLM.embed` / `EngineClient.pool` return for one prompt (vLLM's
+    ``EmbeddingRequestOutput``): the pooled vector (``PoolingParams.pooling_type``
+    ``"logits"``: the requested tokens' logits)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: Any  # torch.Tensor, float32 (dimensions,) on the CPU
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> PoolingOutput:
+        if output.pooled is None:
+            raise ValueError(f"request {output.request_id!r} is not a finished pooling request")
+        return cls(output.request_id, output.prompt_token_ids, output.pooled)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ember.constraint import Constraint
 from ember.logprobs import MAX_LOGPROBS
+from ember.pooling_params import PoolingParams
 
 MAX_PARALLEL_SAMPLES = 16
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-300 would
@@ -96,6 +97,14 @@ class SamplingParams:
     # Grammar-guided decoding (docs/grammar.md).
     constraint: Constraint | None = None
     grammar_backend: str | None = None
+    # A pooling request (ember.pooling_params, docs/embeddings.md): its prompt is computed and
+    # pooled into a vector (RequestOutput.pooled); nothing is sampled. Use `SamplingParams.for_pooling`.
+    pooling: PoolingParams | None = None
+
+    @classmethod
+    def for_pooling(cls, pooling: PoolingParams | None = None) -> SamplingParams:
+        """The params of a pooling request (one position computed past the prompt is never sampled)."""
+        return cls(max_tokens=1, temperature=0.0, pooling=pooling or PoolingParams())
 
     def __post_init__(self) -> None:
         # Accept any iterable of ids (lists from JSON) but store a tuple: frozen
@@ -161,6 +170,12 @@ class SamplingParams:
                 not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
             ):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                raise ValueError(f"pooling must be an ember.pooling_params.PoolingParams, got {self.pooling!r}")
+            if self.num_samples > 1 or self.constraint is not None or self.logprobs is not None \
+                    or self.prompt_logprobs is not None:
+                raise ValueError("a pooling request samples nothing: n, best_of, constraint and logprobs do not apply")
 
     def _validate_processor_fields(self) -> None:
         if not _is_number(self.typical_p) or not 0.0 < self.typical_p <= 1.0:

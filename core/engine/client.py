@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ember.errors import EngineDeadError, EngineFatalError, RequestAbortedError  # noqa: F401  (callers import them from here too)
-from ember.outputs import OutputKind
+from ember.outputs import OutputKind, PoolingOutput
+from ember.pooling_params import PoolingDefaults, PoolingParams
+from ember.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ember.outputs import RequestOutput
     from ember.plugin.logits_processor import BaseLogitsProcessor
-    from ember.sampling_params import SamplingParams
     from ember.sched.step import StepStats
 
 
@@ -71,6 +72,8 @@ class ModelInfo:
     block_size: int  # tokens per KV block
     num_kv_blocks: int
     lora: LoRAInfo | None = None  # adapters (docs/lora.md); None when off
+    # what a pooling request's open fields become, Matryoshka support, embedding size (docs/embeddings.md)
+    pooling: PoolingDefaults = PoolingDefaults()
 
     @property
     def num_kv_cache_tokens(self) -> int:
@@ -153,6 +156,21 @@ class EngineClient(ABC):
         everything so far. Leaving the iterator early aborts the request. Raises
         ValueError for a request `validate` refuses, `EngineDeadError` if the engine is
         not running, `RequestAbortedError` for a request `abort_all` ended."""
+
+    async def pool(
+        self, prompt_token_ids: list[int], pooling: PoolingParams | None = None, request_id: str | None = None,
+        priority: int = 0,
+    ) -> PoolingOutput:
+        """Compute a prompt and pool it into one vector (an embedding, or the logits of
+        ``pooling.logit_token_ids`` at its last position; docs/embeddings.md): a request
+        scheduled like a prompt beside the others, that generates nothing. Raises as
+        `generate` does (ValueError naming ``dimensions`` for a model without Matryoshka
+        support)."""
+        final = None
+        async for output in self.generate(None, SamplingParams.for_pooling(pooling), prompt_token_ids, request_id,
+                                          priority):
+            final = output
+        return PoolingOutput.from_request_output(final)
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import gc
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,11 +20,12 @@ from ember.config import EngineConfig, SchedulerConfig
 from ember.engine.adapters import AdapterEntry, AdapterRegistry, create_adapters
 from ember.engine.client import EngineStats, ModelInfo
 from ember.engine.grammar_manager import GrammarManager
-from ember.engine.output_processor import EngineCoreOutput
+from ember.engine.output_processor import EngineCoreOutput, EngineCoreOutputs
 from ember.engine.parallel_sampling import child_id, child_params
 from ember.engine.speculative import SpeculativeDecoder, create_speculator
 from ember.models.base import uniform_sliding_window
 from ember.models.loader import load_hf_config, load_model, model_dtype, prefill_context_scale
+from ember.models.pooling_config import resolve_pooling_defaults
 from ember.models.tokenizer import eos_token_ids, load_tokenizer, max_chars_per_token
 from ember.outputs import RequestMetrics
 from ember.parallel import ParallelExecutor, start_parallel
@@ -72,15 +73,6 @@ class EngineCoreRequest:
     adapter_id: int = 0  # set by the core from ``adapter`` (ember.engine.adapters)
 
 
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    """One step: what is new per changed request, the step's figures and the counts after it."""
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    step_stats: StepStats | None = None
-    stats: EngineStats | None = None
-
-
 @dataclass
 class _PendingGroup:
     """Parallel sampling: siblings wait until the first child computed the prompt, so
@@ -114,6 +106,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
 
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
+        self.pooling = resolve_pooling_defaults(self.model_dir, self.hf_config, config.pooling,
+                                                config.pooling_normalize, config.matryoshka)
 
         attention = self.backend.create_attention()
         architectures = self.plugin_manager.registries.model_architectures
@@ -252,6 +246,7 @@ class EngineCore:
             block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks,
             lora=None if self.adapters is None else self.adapters.info(self.config.max_loras),
+            pooling=self.pooling,
         )
 
     def stats(self) -> EngineStats:
@@ -284,6 +279,8 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.adapter is not None:
             request = replace(request, adapter_id=self._adapters_on(request.adapter).resolve(request.adapter))
+        if request.params.pooling is not None:  # the model's pooling where the request left it open
+            request = replace(request, params=replace(request.params, pooling=self.pooling.apply(request.params.pooling)))
         if request.params.constraint is not None:
             self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params))
             self.grammar.submit(rid, request.params, request)
@@ -423,7 +420,7 @@ class EngineCore:
                 request.output_top_logprobs[len(request.output_top_logprobs) - n :] if asks_top else [],
                 self._new_prompt_logprobs(request, prompt_lps_of.get(request.request_id)) if prompt_lps_of else [],
                 request.finish_reason, request.stop_token_id, dataclasses.replace(request.metrics),
-                grammar_errors.get(request.request_id) if grammar_errors else None,
+                grammar_errors.get(request.request_id) if grammar_errors else None, request.pooled,
             ))
             if request.is_finished:
                 self._notify_finished(request)

@@ -71,9 +71,14 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         info = self.info
+        if params.pooling is not None:
+            info.pooling.apply(params.pooling)  # ValueError for dimensions the model cannot give
+            bad = [t for t in params.pooling.logit_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"logit token id {bad[0]} is outside the vocabulary [0, {vocab})")
         check_request_fits(
             len(prompt_token_ids), params.max_tokens, max_model_len=info.max_model_len,
             chunked_prefill=info.is_chunked_prefill, max_num_batched_tokens=info.max_num_batched_tokens,
-            num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, pooling=params.pooling is not None,
         )
         return prompt_token_ids

@@ -12,7 +12,8 @@ from ember.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_se
 from ember.engine.input_processor import apply_chat_template
 from ember.engine.llm_engine import LLMEngine
 from ember.engine.tool_calls import chat_messages, setup_tools
-from ember.outputs import RequestOutput
+from ember.outputs import PoolingOutput, RequestOutput
+from ember.pooling_params import PoolingParams
 from ember.sampling_params import SamplingParams
 
 
@@ -84,6 +85,19 @@ class LLM:
             request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i],
                                                        adapter=adapters[i]))
         return self._run(request_ids)  # best_of applied by the engine (the output processor)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        pooling_params: PoolingParams | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[PoolingOutput]:
+        """One pooled vector per prompt, in order (docs/embeddings.md): each prompt is
+        computed in the same continuous batch and pooled as ``pooling_params`` says (None
+        fields: the model's pooling, `EngineConfig.pooling`); nothing is generated."""
+        params = SamplingParams.for_pooling(pooling_params)
+        outputs = self.generate(prompts, params, prompt_token_ids)
+        return [PoolingOutput.from_request_output(output) for output in outputs]
 
     def beam_search(
         self,

@@ -20,12 +20,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ember.engine.client import EngineStats
 from ember.engine.parallel_sampling import SampleGroup, child_params
 from ember.logprobs import Logprob, PositionLogprobs, to_logprob_dict
 from ember.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput
 from ember.sampling_params import SamplingParams
+from ember.sched.step import StepStats
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 
@@ -100,10 +103,21 @@ class EngineCoreOutput:
     metrics: RequestMetrics | None = None
     # with finish reason "error": what went wrong for this request alone (its grammar)
     error: str | None = None
+    # a pooling request's vector (float32, CPU), on its final output (ember.worker.pooler)
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One engine-core step: what is new per changed request, the step's figures and the counts after it."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    step_stats: StepStats | None = None
+    stats: EngineStats | None = None
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
@@ -266,6 +280,7 @@ class OutputProcessor:
             new_text=new_text,
             prompt_logprobs=prompt_logprobs,
             metrics=core_out.metrics,
+            pooled=core_out.pooled,
         )
 
     def _update_text(self, state: _State, new_token_ids: list[int]) -> str:

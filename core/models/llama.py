@@ -38,6 +38,9 @@ from ember.plugin.backend import BaseAttention, require_attention_features
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
 )
+# transformers' bare decoders (``AutoModel``: saved without the LM head and without the "model."
+# prefix, as embedding models are): `LlamaBaseModel`; their logits read the tied embedding
+BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 # model types that normalise each head's query and key (RMSNorm over head_dim) before RoPE
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
@@ -147,6 +150,7 @@ class LlamaForCausalLM(BaseCausalLM):
     (pipeline parallelism; the other layers are empty placeholders)."""
 
     supports_parallel = True  # ember.parallel builds it with ``parallel=``
+    is_base_model = False  # a bare decoder (no LM head of its own: LlamaBaseModel)
 
     def __init__(
         self,
@@ -164,7 +168,7 @@ class LlamaForCausalLM(BaseCausalLM):
         self.compute_dtype = compute_dtype
         self.parallel = parallel
         self.layer_range = (0, cfg.num_hidden_layers) if parallel is None else parallel.layer_range(cfg.num_hidden_layers)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tie_word_embeddings = self.is_base_model or bool(getattr(cfg, "tie_word_embeddings", False))
         if parallel is None:
             self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
             self.layers = nn.ModuleList(
@@ -269,6 +273,9 @@ class LlamaForCausalLM(BaseCausalLM):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            saved = name  # errors name the tensor as the checkpoint does
+            if not name.startswith(("model.", "lm_head.")):  # saved from a bare decoder (AutoModel)
+                name = "model." + name
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied copy too
             keys = self.load_extra_weight(name, tensor)
@@ -297,10 +304,10 @@ class LlamaForCausalLM(BaseCausalLM):
             target = name[len("model.") :] if name.startswith("model.") else name
             param = params.get(target)
             if param is None:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+                raise ValueError(f"unexpected tensor {saved!r} in checkpoint")
             if param.shape != tensor.shape:
                 raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    f"tensor {saved!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
             loaded.add(target)
@@ -341,7 +348,18 @@ class LlamaForCausalLM(BaseCausalLM):
         return parts
 
 
+class LlamaBaseModel(LlamaForCausalLM):
+    """A bare decoder of the Llama family as transformers' ``AutoModel`` saves it
+    (``LlamaModel``, ``Qwen3Model``, ...: embedding models): the same layers, no LM head
+    of its own (its logits, when asked, read the token embedding as a tied head)."""
+
+    supports_parallel = False
+    is_base_model = True
+
+
 @hookimpl
 def ember_register_model_architectures(registry) -> None:
     for name in ARCHITECTURES:
         registry.register(name, LlamaForCausalLM)
+    for name in BASE_ARCHITECTURES:
+        registry.register(name, LlamaBaseModel)

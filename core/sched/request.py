@@ -23,14 +23,15 @@ def check_priority(priority: object) -> int:
 
 def check_request_fits(
     num_prompt_tokens: int, max_tokens: int, *, max_model_len: int, chunked_prefill: bool,
-    max_num_batched_tokens: int, num_kv_blocks: int, block_size: int,
+    max_num_batched_tokens: int, num_kv_blocks: int, block_size: int, pooling: bool = False,
 ) -> None:
     """Raise ValueError naming the limit if a request could never be scheduled: a
     prompt that leaves no room in the context, one larger than a step without chunked
     prefill, or a worst case (prompt + max_tokens, capped at the context) larger than
-    the whole KV cache. A pure function of the engine's figures, so that validation
+    the whole KV cache (``pooling``: a request that generates nothing may fill the
+    context). A pure function of the engine's figures, so that validation
     outside the engine core (another thread or process) asks the same question."""
-    if num_prompt_tokens >= max_model_len:
+    if num_prompt_tokens > max_model_len or (num_prompt_tokens == max_model_len and not pooling):
         raise ValueError(
             f"prompt has {num_prompt_tokens} tokens; the model's context "
             f"(max_model_len) is {max_model_len}, which leaves no room for a generated token"
@@ -39,7 +40,7 @@ def check_request_fits(
         raise ValueError(
             f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens ({max_num_batched_tokens})"
         )
-    needed = -(-min(num_prompt_tokens + max_tokens, max_model_len) // block_size)
+    needed = -(-min(num_prompt_tokens + (0 if pooling else max_tokens), max_model_len) // block_size)
     if needed > num_kv_blocks:
         raise ValueError(
             f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + max_tokens {max_tokens} tokens) "
@@ -101,6 +102,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None
     stop_string: str | None = None
+    # a pooling request's vector (SamplingParams.pooling), set when its prompt is computed
+    pooled: object = None
     # when it arrived, was first scheduled, produced tokens, finished (for metrics and traces)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 

@@ -94,7 +94,7 @@ class Scheduler:
             request.num_prompt_tokens, request.sampling_params.max_tokens, max_model_len=self.config.max_model_len,
             chunked_prefill=self.config.enable_chunked_prefill,
             max_num_batched_tokens=self.config.max_num_batched_tokens, num_kv_blocks=self.kv.num_blocks,
-            block_size=self.kv.block_size,
+            block_size=self.kv.block_size, pooling=request.sampling_params.pooling is not None,
         )
 
     def add_request(self, request: Request) -> None:
@@ -295,8 +295,8 @@ class Scheduler:
             num_drafts = len(request.draft_token_ids)
             if num_drafts:
                 drafts[request_id] = list(request.draft_token_ids)
-            if start + num_new - num_drafts == request.num_tokens:
-                sampling.append(request_id)
+            if start + num_new - num_drafts == request.num_tokens and request.sampling_params.pooling is None:
+                sampling.append(request_id)  # (a pooling request's last chunk is pooled, not sampled)
             # prompt tokens, or several tokens at once (a preempted request recomputing)
             is_prefill = start < request.num_prompt_tokens or num_new - num_drafts > 1
             items.append(ScheduledItem(request, num_new, start, is_prefill))
@@ -317,11 +317,15 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks covering the prefix of the request's tokens: its prompt, and
         for a preempted request the tokens it generated too. None for a request that
-        still needs prompt logprobs (those need the prompt's logits, computed)."""
+        still needs prompt logprobs (those need the prompt's logits, computed) or a
+        mean / CLS pooling request (the hidden states of every prompt position)."""
         if not self.kv.enable_prefix_caching:
             return []
         num_top = getattr(request.sampling_params, "prompt_logprobs", None)
         if num_top is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+            return []
+        pooling = request.sampling_params.pooling
+        if pooling is not None and pooling.needs_every_position:  # mean / CLS read every hidden state
             return []
         return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids,
                                           request.adapter_id)
@@ -365,6 +369,9 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
+            if request.sampling_params.pooling is not None and request.num_computed_tokens >= request.num_prompt_tokens:
+                request.pooled = runner_output.pooled[request_id]  # its prompt is computed: its vector is ready
+                status = RequestStatus.FINISHED_STOPPED
             num_known = min(request.num_computed_tokens, request.num_tokens)  # a stop may cut accepted drafts
             if self.kv.has_uncached_full_blocks(request_id, num_known):
                 # all_token_ids copies the sequence: only when a block just filled up

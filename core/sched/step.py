@@ -110,6 +110,9 @@ class ModelRunnerOutput:
     prompt_logprobs: list[list[PositionLogprobs]] | None = None
     # how many of the request's draft tokens were accepted (0 without drafts)
     num_accepted: list[int] | None = None
+    # pooling requests (SamplingParams.pooling) whose prompt this step completed: their
+    # vector, float32 on the CPU (ember.worker.pooler); None when the step completed none
+    pooled: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from ember.sampling_params import SamplingParams
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
 from ember.worker.graphs import DecodeGraphs
 from ember.worker.logits_pipeline import LogitsPipeline, apply_token_masks
+from ember.worker.pooler import Pooler
 from ember.worker.sampler import Sampler
 
 
@@ -282,6 +283,7 @@ class ModelRunner:
         self.collect_all_hidden = False
         self.step_hidden: list[tuple[str, int, torch.Tensor]] = []
         self.adapter_slots = None  # adapters (LoRA) by slot and each step's runs (ember.worker.adapter_slots)
+        self.pooler = Pooler()  # pooling requests' vectors (ember.worker.pooler)
 
     def capture_graphs(self, capture, sizes) -> DecodeGraphs:
         """Capture decode-only forward passes of ``sizes`` requests with the backend's
@@ -302,10 +304,13 @@ class ModelRunner:
             batch.remove(request_id)
             self.last_hidden.pop(request_id, None)
             self.sampler.remove_request(request_id)
+            self.pooler.remove(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             batch.remove(request_id)  # back as a NewRequest; processors keep their state
+            self.pooler.remove(request_id)
         for new in scheduler_output.new_requests:
             batch.add(new)
+            self.pooler.add(new.request_id, new.sampling_params.pooling)
         for cached in scheduler_output.cached_requests:
             batch.update(cached)
 
@@ -450,6 +455,7 @@ class ModelRunner:
             sampled_top_logprobs=out_top,
             prompt_logprobs=prompt_logprobs,
             num_accepted=num_accepted,
+            pooled=self.pooler.pool(self.model, hidden, requests, query_lens) if self.pooler.active else None,
         )
 
     def _keep_step_hidden(
