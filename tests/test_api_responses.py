@@ -321,3 +321,69 @@ def test_unknown_model_is_a_404_with_adapters_on(tiny_llama_dir):
         r = raw.post("/v1/responses", json={**BASE, "model": "nope", "max_output_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "nope" in r.text
         assert raw.post("/v1/responses", json={**BASE, "max_output_tokens": 2}).status_code == 200
+
+
+FORCED_THINKING = r"<think>[a-z]{4}</think>[a-z]{3}"
+
+
+def test_reasoning_items_with_a_reasoning_parser(tiny_llama_dir):
+    """With --reasoning-parser, the reasoning is a `reasoning` item before the message (streamed as
+    reasoning_text events); a regular expression makes the random model write the tags."""
+    body = {**BASE, "max_output_tokens": 40, "guided_regex": FORCED_THINKING}
+    with running_server(tiny_llama_dir, max_total_tokens=128, reasoning_parser="qwen3") as running, \
+            httpx.Client(base_url=running.url, timeout=60) as raw:
+        r = raw.post("/v1/responses", json=body).json()
+        reasoning, message = r["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == [] and r["status"] == "completed"
+        [part] = reasoning["content"]
+        assert part["type"] == "reasoning_text" and len(part["text"]) == 4 and part["text"].isalpha()
+        text = message["content"][0]["text"]
+        assert message["type"] == "message" and len(text) == 3 and text.isalpha()
+        assert 0 < r["usage"]["output_tokens_details"]["reasoning_tokens"] < r["usage"]["output_tokens"]
+        data = events_of(raw, body)
+        names = [d["type"] for d in data]
+        assert names.index("response.reasoning_text.delta") < names.index("response.reasoning_text.done") \
+            < names.index("response.output_text.delta")
+        assert "".join(d["delta"] for d in data if d["type"] == "response.reasoning_text.delta") == part["text"]
+        assert "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta") == text
+        final = data[-1]["response"]
+        assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+        # the reasoning item sent back is accepted and left out of the prompt
+        turn = [{"role": "user", "content": "hello"}, reasoning, message, {"role": "user", "content": "again"}]
+        again = raw.post("/v1/responses", json={**BASE, "input": turn})
+        assert again.status_code == 200, again.text
+        chained = raw.post("/v1/responses", json={**BASE, "input": "again", "previous_response_id": r["id"]})
+        assert chained.json()["usage"]["input_tokens"] == again.json()["usage"]["input_tokens"]
+
+
+def test_the_model_field_selects_a_lora_adapter(tiny_llama_dir, tmp_path):
+    """`model` names a LoRA adapter as on the chat route: the same greedy answer as chat's with that model."""
+    import peft
+    import torch
+    import transformers
+
+    from ember.api.lora import LoRAModule
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    adapter = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for module in adapter.modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                module.lora_B["default"].weight.mul_(4.0)
+    adapter.save_pretrained(tmp_path / "sql")
+    engine = {"enable_lora": True, "lora_modules": {"sql": str(tmp_path / "sql")}, "max_loras": 1, "max_lora_rank": 8}
+    with running_server(tiny_llama_dir, engine=engine, max_total_tokens=128, served_model_name="tiny",
+                        lora_modules=[LoRAModule("sql", str(tmp_path / "sql"))]) as running, \
+            httpx.Client(base_url=running.url, timeout=60) as raw:
+        texts = {}
+        for model in ("tiny", "sql"):
+            r = raw.post("/v1/responses", json={**BASE, "model": model, "max_output_tokens": 8})
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+            texts[model] = r.json()["output"][0]["content"][0]["text"]
+            messages = [{"role": "user", "content": "hello"}]
+            chat = raw.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 8,
+                                                           "temperature": 0})
+            assert chat.json()["choices"][0]["message"]["content"] == texts[model], model
+        assert texts["tiny"] != texts["sql"]

@@ -306,6 +306,7 @@ def ROWS() -> list[Row]:
             200, [finite_logprobs]),
         # -- /v1/messages and /v1/messages/count_tokens (Anthropic's shape) --------------
         *ANTHROPIC_ROWS(),
+        *RESPONSES_ROWS(),
         Row("/info, /metrics, /openapi.json", lambda s: _open_routes(s), 200),
     ]
 
@@ -344,6 +345,45 @@ def ANTHROPIC_ROWS() -> list[Row]:
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "bogus": 1}), 400, named("bogus")),
         Row("GET /v1/messages", http("GET", "/v1/messages"), 405, [anthropic_error]),
     ]
+
+
+def RESPONSES_ROWS() -> list[Row]:
+    """/v1/responses (OpenAI's Responses API) and its stored-response routes."""
+    rsp = lambda **kw: {"model": "m", "input": "hi", "max_output_tokens": 4, **kw}
+    item = lambda *items: rsp(input=list(items))
+    named = lambda *words: [openai_error, error_names(*words)]
+    return [
+        Row("responses: 1.9 MB input", post("/v1/responses", rsp(input=BIG)), 422, [openai_error]),
+        Row("responses: 10k items", post("/v1/responses", item(*[{"role": "user", "content": "a"}] * 10_000)), 422),
+        Row("responses: 1.9 MB instructions", post("/v1/responses", rsp(instructions=BIG)), 422),
+        Row("responses: 1.9 MB function output", post("/v1/responses", item(
+            {"type": "function_call_output", "call_id": "c", "output": BIG})), 422),
+        Row("responses: 100k-deep nesting", raw("/v1/responses", DEEP), 400, [openai_error]),
+        Row("responses: empty body", raw("/v1/responses", b""), 400, [openai_error]),
+        Row("responses: no input", post("/v1/responses", {"model": "m"}), 400, named("input")),
+        Row("responses: image part", post("/v1/responses", item({"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x"}]})), 400, named("input[0].content[0].type")),
+        Row("responses: item that is a string", post("/v1/responses", item("text")), 400, named("input")),
+        Row("responses: function_call without call_id", post("/v1/responses", item(
+            {"type": "function_call", "name": "f", "arguments": "{}"})), 400, named("call_id")),
+        Row("responses: function_call arguments a list", post("/v1/responses", item(
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1, 2]"})), 400, named("arguments")),
+        Row("responses: web_search tool", post("/v1/responses", rsp(tools=[{"type": "web_search"}])), 400,
+            named("tools[0].type")),
+        Row("responses: background", post("/v1/responses", rsp(background=True)), 400, named("background")),
+        Row("responses: unknown previous_response_id", post("/v1/responses", rsp(previous_response_id="resp_x")),
+            404, named("resp_x")),
+        Row("responses: temperature 1e-300 (stream)", post("/v1/responses", rsp(temperature=1e-300, stream=True)),
+            200),
+        Row("responses: 5k-character id", http("GET", "/v1/responses/" + "x" * 5000), 404, [openai_error]),
+        Row("responses: cancel unknown", post("/v1/responses/resp_x/cancel", {}), 404, [openai_error]),
+        Row("GET /v1/responses", http("GET", "/v1/responses"), 405, [openai_error]),
+    ]
+
+
+def openai_error(out: Outcome) -> None:
+    payload = strict_json(out.body.decode())
+    assert set(payload["error"]) == {"message", "type", "param", "code"}, payload
 
 
 def anthropic_error(out: Outcome) -> None:
