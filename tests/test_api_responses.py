@@ -151,7 +151,7 @@ def test_tool_call_round_trip(client, stream):
     [call] = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER)
-    turn = [{"role": "user", "content": "hello"}, call.model_dump(exclude_none=True),
+    turn = [{"role": "user", "content": "hello"}, call,  # sent back as the SDK returned it
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21"}]
     answer = create(client, input=turn, tools=TOOLS, tool_choice="none", max_output_tokens=4)
     assert answer.output[0].type == "message" and answer.output_text
