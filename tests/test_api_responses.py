@@ -300,6 +300,42 @@ def test_bad_input_is_a_400_naming_the_field(http, server, change, param):
     wait_idle(server.app)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("change", "param"), [
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "(x"}}}},
+     "text.format"),
+    ({"guided_regex": "(x"}, "guided_regex"),
+])
+def test_a_grammar_that_fails_is_a_400_before_the_stream(http, change, param, stream):
+    r = http.post("/v1/responses", json={**BASE, **change, "stream": stream})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] == "grammar" and r.json()["error"]["param"] == param
+
+
+def test_a_failing_step_is_an_error_event_then_response_failed(http, server):
+    runner = server.app.state.service.client.engine.runner  # a fault planted inside the engine
+    real_execute, calls = runner.execute, {"n": 0}
+
+    def flaky(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 3:  # mid-stream: after the prefill and one decode step
+            raise RuntimeError("simulated device failure")
+        return real_execute(scheduler_output)
+
+    runner.execute = flaky
+    try:
+        data = events_of(http, {**BASE, "max_output_tokens": 20})
+    finally:
+        runner.execute = real_execute
+    assert [d["type"] for d in data][-2:] == ["error", "response.failed"]
+    assert "simulated device failure" in data[-2]["message"] and data[-2]["code"] == "generation"
+    failed = data[-1]["response"]
+    assert failed["status"] == "failed" and "simulated device failure" in failed["error"]["message"]
+    assert http.get(f"/v1/responses/{failed['id']}").status_code == 404  # a failed response is not stored
+    assert http.post("/v1/responses", json=BASE).status_code == 200
+    wait_idle(server.app)
+
+
 def test_limits_name_responses_fields(http):
     r = http.post("/v1/responses", json={**BASE, "max_output_tokens": 5000})
     assert r.status_code == 422 and r.json()["error"]["param"] == "max_output_tokens", r.text

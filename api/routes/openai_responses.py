@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -156,6 +156,8 @@ class ResponsesRoutes(ChatRoutes):
             job, setup = self._chat_job(chat)
         except APIError as exc:
             raise items.renamed(exc) from None
+        if job.constraint_param in items.CHAT_NAMES:  # a grammar that fails names the Responses field
+            job = replace(job, constraint_param=items.CHAT_NAMES[job.constraint_param])
         return Plan(body, job, setup, conversation, items.new_id("resp"), int(time.time()))
 
     # -- the answer ---------------------------------------------------------------------------
