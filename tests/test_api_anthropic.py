@@ -298,6 +298,10 @@ def test_reasoning_comes_back_as_a_thinking_block(thinking_server):
         assert data[2]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
         assert set(kinds[3:-4]) == {"thinking_delta"}
         assert kinds[-4:] == ["signature_delta", "content_block_stop", "message_delta", "message_stop"]
+        held = create(client, max_tokens=1040, thinking={"type": "enabled", "budget_tokens": 1024})
+        assert [b.type for b in held.content] == ["thinking", "text"]  # the budget ended the thinking
+        assert held.content[0].thinking.startswith(text) and held.content[1].text
+        assert held.stop_reason == "max_tokens" and held.usage.output_tokens == 1040
         r = http.post("/v1/messages", json={**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}})
         assert r.status_code == 400 and "must be less than `max_tokens`" in r.json()["error"]["message"]
         r = http.post("/v1/messages", json={**BASE, "thinking": {"type": "enabled"}})

@@ -243,7 +243,14 @@ class MessagesRoutes(ChatRoutes):
         self.service.check_stop(stop, "stop_sequences")
         if any(not text for text in stop):
             raise bad_request("`stop_sequences` strings must be non-empty", "stop_sequences")
-        return self._chat_job(chat_request(body))
+        chat = chat_request(body)
+        if self._shows_thinking(body) and body.thinking is not None:  # enabled, with its budget
+            parser = self._reasoning_parser()
+            budget = {"budget": body.thinking.budget_tokens, "end": parser.end_tag}
+            if not getattr(parser, "starts_in_reasoning", False):  # the model opens the tag itself
+                budget["start"] = parser.start_tag
+            chat = chat.model_copy(update={"extra": {"thinking_budget": budget}})
+        return self._chat_job(chat)
 
     @staticmethod
     def _content(text: str, setup: ToolSetup) -> tuple[list[dict], bool]:

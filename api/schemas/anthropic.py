@@ -107,8 +107,8 @@ class Thinking(Strict):
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(
-        None, ge=1024, description='with "enabled", required as by Anthropic (>= 1024, < max_tokens); checked, '
-        "not enforced apart from max_tokens (docs/api.md)")
+        None, ge=1024, description='with "enabled", required as by Anthropic (>= 1024, < max_tokens): the '
+        "reasoning's end tag is forced once it has this many tokens (docs/api.md)")
 
 
 class CountTokensRequest(System):
