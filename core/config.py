@@ -129,6 +129,11 @@ class EngineConfig:
     # and how long a request waits for its grammar to compile before it fails.
     grammar_backend: str = "outlines"
     grammar_compile_timeout_s: float = 60.0
+    # Constrained outputs that close (docs/grammar.md): keep each closable within its
+    # max_tokens and context; mask a token that would extend a run of this many repeating
+    # tokens in a constrained string or number (0: no bound).
+    grammar_budget: bool = True
+    grammar_repetition_limit: int = 12
     # Quantized weights (docs/quantization.md): a quantizer by name (--quantize: int8,
     # int4, ...; a quantized checkpoint's own is found from its config.json), and whether
     # a format the backend has no kernel for is dequantized at load (else refused)
@@ -190,6 +195,9 @@ class EngineConfig:
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        limit = self.grammar_repetition_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"grammar_repetition_limit must be an integer >= 0 (0: no bound), got {limit!r}")
         if self.quantize is not None and (not isinstance(self.quantize, str) or not self.quantize):
             raise ValueError(f"quantize must be a quantizer's name such as 'int8' or 'int4', got {self.quantize!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -27,6 +27,23 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Where a reasoning model's thinking sits in its output, so that a constraint applies
+    to the answer after it (`SamplingParams.grammar_after`; from the reasoning parser's
+    `grammar_span`, docs/reasoning.md): the output is free until ``end_tag``; it starts
+    inside the reasoning, or (``starts_inside`` False) only when it opens with ``start_tag``,
+    the constraint applying from the first token otherwise."""
+
+    start_tag: str
+    end_tag: str
+    starts_inside: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.end_tag, str) or not self.end_tag or not isinstance(self.start_tag, str):
+            raise ValueError(f"a ReasoningSpan needs string tags (a non-empty end_tag), got {self!r}")
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -95,6 +112,8 @@ class SamplingParams:
     # logprob (vLLM, OpenAI) or by "mean" logprob per token (TGI).
     best_of_ranking: str = "cumulative"
     # Grammar-guided decoding (docs/grammar.md).
+    # grammar_after: the constraint applies after the reasoning (ReasoningSpan) only
+    grammar_after: ReasoningSpan | None = None
     constraint: Constraint | None = None
     grammar_backend: str | None = None
     # A pooling request (ember.pooling_params, docs/embeddings.md): its prompt is computed and
@@ -164,6 +183,9 @@ class SamplingParams:
             )
         if self.grammar_backend is not None and (not isinstance(self.grammar_backend, str) or not self.grammar_backend):
             raise ValueError(f"grammar_backend must be None or a backend name, got {self.grammar_backend!r}")
+        if self.grammar_after is not None and not isinstance(self.grammar_after, ReasoningSpan):
+            raise ValueError(f"grammar_after must be None or an ember.sampling_params.ReasoningSpan, "
+                             f"got {self.grammar_after!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (

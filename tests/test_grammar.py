@@ -407,7 +407,7 @@ class GreedySpeculator(BaseSpeculator):
 def test_draft_tokens_are_masked_and_rolled_back(llm):
     tokenizer = llm.get_tokenizer()
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in ["draft one", "draft two", "three"]]
-    params = SamplingParams(temperature=0, max_tokens=60, constraint=Constraint.json_schema(PERSON))
+    params = SamplingParams(temperature=0, max_tokens=100, constraint=Constraint.json_schema(PERSON))
     reference = llm.generate(prompt_token_ids=ids, sampling_params=params)
     llm.engine.core.speculator = GreedySpeculator(
         {tuple(i): o.outputs[0].token_ids for i, o in zip(ids, reference)}

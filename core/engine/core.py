@@ -19,6 +19,7 @@ import torch
 from ember.config import EngineConfig, SchedulerConfig
 from ember.engine.adapters import AdapterEntry, AdapterRegistry, create_adapters
 from ember.engine.client import EngineStats, ModelInfo
+from ember.engine.grammar_guard import GuardSettings
 from ember.engine.grammar_manager import GrammarManager
 from ember.engine.output_processor import EngineCoreOutput, EngineCoreOutputs
 from ember.engine.parallel_sampling import child_id, child_params
@@ -203,6 +204,7 @@ class EngineCore:
             self.plugin_manager.registries.grammar_backends,
             GrammarContext(self.tokenizer, self.hf_config.vocab_size, tuple(self.eos_token_ids)),
             config.grammar_backend, config.grammar_compile_timeout_s,
+            GuardSettings(config.grammar_budget, config.grammar_repetition_limit),
         )
         self._pending_groups: dict[str, _PendingGroup] = {}
         self.last_step_stats: StepStats | None = None
@@ -313,7 +315,7 @@ class EngineCore:
             adapter_id=adapter_id,
         ))
         if grammar is not None:
-            self.grammar.add_matcher(request_id, grammar)
+            self.grammar.add_matcher(request_id, grammar, params, self.max_model_len - len(prompt_token_ids))
 
     def _admit_siblings(self, group: _PendingGroup) -> None:
         r = group.request

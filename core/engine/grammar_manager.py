@@ -20,6 +20,9 @@ constrained request.
   recorded them. A preempted request keeps its output tokens, and its matcher stands
   where they left it, so preemption needs no rollback; rollback undoes only the draft
   positions the masks walked through.
+* **Guards**: each matcher is wrapped in a `GuardedMatcher` (ember.engine.grammar_guard):
+  the budget that makes outputs close within ``max_tokens``, the repetition bound, and
+  reasoning left free before the grammar (`SamplingParams.grammar_after`).
 * **Masks**: one packed bitmask for every constrained row of the step, filled by the
   matchers, unpacked to bool rows in one operation.
 
@@ -41,10 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ember.engine.grammar_guard import GuardedMatcher, GuardSettings, Vocab
 from ember.plugin.grammar import (
     BaseCompiledGrammar,
     BaseGrammarBackend,
-    BaseGrammarMatcher,
     Constraint,
     GrammarContext,
     GrammarError,
@@ -74,8 +77,11 @@ class GrammarManager:
 
     def __init__(
         self, registry: Registry, context: GrammarContext, default_backend: str, compile_timeout_s: float,
+        guard: GuardSettings = GuardSettings(),
     ) -> None:
         self.registry = registry
+        self.guard = guard
+        self._vocab: Vocab | None = None  # built by the first matcher
         self.context = context
         self.default_backend = default_backend
         self.compile_timeout_s = compile_timeout_s
@@ -86,7 +92,7 @@ class GrammarManager:
         # read-only outside: the requests held for their grammar, the running ones' matchers
         # (the engine tests them for emptiness each step without a call)
         self.waiting: dict[str, _Waiting] = {}
-        self.matchers: dict[str, BaseGrammarMatcher] = {}
+        self.matchers: dict[str, GuardedMatcher] = {}
         self._bitmask = torch.zeros((0, context.num_mask_words), dtype=torch.int32)
         self._counter_lock = threading.Lock()
         self.compile_time_s = 0.0
@@ -222,8 +228,19 @@ class GrammarManager:
         return None if waiting is None else waiting.item
 
     # -- matchers --------------------------------------------------------------
-    def add_matcher(self, request_id: str, grammar: BaseCompiledGrammar) -> None:
-        self.matchers[request_id] = grammar.create_matcher()
+    def add_matcher(
+        self, request_id: str, grammar: BaseCompiledGrammar, params: SamplingParams | None = None,
+        context_left: int | None = None,
+    ) -> None:
+        """A matcher for a request about to run; ``params`` give its ``max_tokens`` and
+        reasoning span, ``context_left`` the tokens its context has room for."""
+        if self._vocab is None:
+            context = self.context
+            self._vocab = Vocab(context.token_bytes, context.eos_token_ids, context.num_mask_words)
+        budget = min(params.max_tokens if params is not None else 1 << 30,
+                     context_left if context_left is not None else 1 << 30)
+        span = params.grammar_after if params is not None else None
+        self.matchers[request_id] = GuardedMatcher(grammar.create_matcher(), budget, self.guard, self._vocab, span)
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)

@@ -21,6 +21,12 @@ A backend that cannot express part of a constraint raises
 :class:`UnsupportedFeatureError` naming the part (``minimum`` at
 ``/properties/age``), never a grammar that silently accepts more than was asked.
 ``ember.testing.check_grammar_backend`` checks an implementation against these rules.
+
+**Closing within a budget** (optional): a matcher that can count the fewest tokens to
+a valid end sets ``supports_budget`` and implements `min_tokens_to_end` and
+`fill_bitmask_within`; the engine then keeps every constrained output closable within
+its ``max_tokens`` and context (docs/grammar.md, "Outputs that always close"). A matcher
+without it is masked by `fill_bitmask` alone, as before.
 """
 
 from __future__ import annotations
@@ -86,11 +92,23 @@ class GrammarContext:
         return decode_token_bytes(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
 
-def set_tokens(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+def set_tokens(row: torch.Tensor, token_ids: Sequence[int] | np.ndarray) -> None:
     """Set the bits of ``token_ids`` in one bitmask row (int32, CPU, ``(words,)``)."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size:
+        np.bitwise_or.at(row.numpy().view(np.uint32), ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+
+
+def clear_tokens(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """Clear the bits of ``token_ids`` in one bitmask row."""
     words = row.numpy().view(np.uint32)
     for token_id in token_ids:
-        words[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+        words[token_id >> 5] &= ~np.uint32(1 << (token_id & 31))
+
+
+def is_allowed(row: torch.Tensor, token_id: int) -> bool:
+    """Whether one bitmask row allows ``token_id``."""
+    return bool(row.numpy().view(np.uint32)[token_id >> 5] >> np.uint32(token_id & 31) & np.uint32(1))
 
 
 def allows_only(row: torch.Tensor, token_ids: Sequence[int]) -> bool:
@@ -136,6 +154,27 @@ class BaseGrammarMatcher(abc.ABC):
     def is_finished(self) -> bool:
         """Whether the output so far is complete and no token but EOS may follow (or
         EOS was accepted): the engine then ends the request as stopped."""
+
+    # -- optional: closing within a budget ------------------------------------------
+    #: whether `min_tokens_to_end` and `fill_bitmask_within` are implemented (a
+    #: matcher may also answer None from `min_tokens_to_end` for a grammar too large
+    #: to measure)
+    supports_budget: ClassVar[bool] = False
+
+    def min_tokens_to_end(self) -> int | None:
+        """The fewest tokens that end the output validly from here, the final EOS
+        counted (1 where the output may end now; 0 once EOS was accepted); None when
+        not known. Counting EOS even where the engine stops without one keeps the
+        closing token inside ``max_tokens``, so the request ends as stopped."""
+        return None
+
+    def fill_bitmask_within(self, bitmask: torch.Tensor, row: int, tokens_left: int) -> None:
+        """As `fill_bitmask`, keeping only the tokens after which the output can still
+        end validly within ``tokens_left`` tokens (this one and the EOS counted). When
+        ``tokens_left`` is below `min_tokens_to_end` no token can, and the row keeps
+        those on a shortest path to an end. With ``tokens_left`` large it equals
+        `fill_bitmask`. Only called when `supports_budget`."""
+        self.fill_bitmask(bitmask, row)
 
 
 class BaseCompiledGrammar(abc.ABC):

@@ -15,7 +15,10 @@ matches the regex, is one of the choices, parses and validates against the schem
 padding id and never allows nothing; EOS is allowed exactly where the output is
 complete (only EOS once the grammar is finished); advancing by several tokens at once
 equals advancing by each; a rejected token stops `accept_tokens` and leaves the matcher
-where it was; rollback restores the earlier masks. Kinds it does not support, and
+where it was; rollback restores the earlier masks. A matcher that ``supports_budget``
+is walked within random budgets from `min_tokens_to_end` up: every walk must end
+complete within its budget (EOS counted), each budget mask a part of the full mask,
+equal to it when the budget is large. Kinds it does not support, and
 schema keywords it cannot enforce, must raise UnsupportedFeatureError naming them;
 an invalid regex or schema a GrammarError. Raises AssertionError describing the first
 broken rule.
@@ -139,10 +142,13 @@ class _Checker:
         self.never = np.array([t is None and t_id not in self.eos for t_id, t in enumerate(self.token_bytes)])
         self.bitmask = torch.zeros((1, context.num_mask_words), dtype=torch.int32)
 
-    def allowed(self, matcher) -> np.ndarray:
-        """The bool row of tokens ``matcher`` allows now (a copy)."""
+    def allowed(self, matcher, tokens_left: int | None = None) -> np.ndarray:
+        """The bool row of tokens ``matcher`` allows now (a copy), within ``tokens_left``."""
         self.bitmask.fill_(-1)  # a matcher must write every word of its row
-        matcher.fill_bitmask(self.bitmask, 0)
+        if tokens_left is None:
+            matcher.fill_bitmask(self.bitmask, 0)
+        else:
+            matcher.fill_bitmask_within(self.bitmask, 0, tokens_left)
         return np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, count=self.context.vocab_size,
                              bitorder="little")[0].astype(bool)
 
@@ -228,6 +234,53 @@ class _Checker:
             grammar = self.backend.compile(case.constraint)
             for i in range(self.num_walks):
                 self.walk(grammar, case, f"{where} walk {i}")
+
+    def check_budget(self) -> None:
+        for case in _cases(self.cls.supported_kinds):
+            grammar = self.backend.compile(case.constraint)
+            if not grammar.create_matcher().supports_budget:
+                return
+            for i in range(self.num_walks):
+                self.walk_within(grammar, case, f"{case.constraint.describe(40)} budget walk {i}")
+
+    def walk_within(self, grammar: BaseCompiledGrammar, case: _Case, where: str) -> None:
+        name = self.cls.name
+        matcher = grammar.create_matcher()
+        start = matcher.min_tokens_to_end()
+        if start is None:
+            return  # too large to measure: allowed
+        assert isinstance(start, int) and start >= 1, f"{name}: {where}: min_tokens_to_end at the start is {start!r}"
+        budget = start + self.rng.randint(0, 6)
+        data, used = b"", 0
+        while True:
+            left = budget - used
+            distance = matcher.min_tokens_to_end()
+            assert distance is not None and distance <= left, (
+                f"{name}: {where}: {left} tokens left but {distance} needed after {data!r} (budget {budget})"
+            )
+            within, full = self.allowed(matcher, left), self.allowed(matcher)
+            assert within.any() and not (within & ~full).any(), (
+                f"{name}: {where}: the budget mask is empty or allows what the grammar does not, after {data!r}"
+            )
+            assert np.array_equal(self.allowed(matcher, 1 << 20), full), (
+                f"{name}: {where}: with a large budget the mask differs from fill_bitmask after {data!r}"
+            )
+            ids = np.flatnonzero(within).tolist()
+            eos = sorted(self.eos & set(ids))
+            non_eos = [t for t in ids if t not in self.eos]
+            take_eos = eos and (not non_eos or self.rng.random() < EOS_CHANCE)
+            token = eos[0] if take_eos else self.pick(non_eos, data, where)
+            assert matcher.accept_tokens([token]) == 1, f"{name}: {where}: an allowed token {token} was refused"
+            used += 1
+            if token in self.eos:
+                break
+            data += self.token_bytes[token]
+            if matcher.is_finished:
+                used += 1  # the engine stops here; the EOS it would need counts
+                break
+        assert used <= budget and case.is_complete(data.decode("utf-8")), (
+            f"{name}: {where}: {data!r} after {used} tokens of a budget of {budget} is not a complete output"
+        )
 
     def check_refusals(self) -> None:
         name, kinds = self.cls.name, self.cls.supported_kinds
@@ -320,4 +373,5 @@ def check_grammar_backend(
     checker = _Checker(cls, GrammarContext(tokenizer, vocab_size, tuple(eos_token_ids)), num_walks, seed,
                        strict_utf8)
     checker.check_cases()
+    checker.check_budget()
     checker.check_refusals()

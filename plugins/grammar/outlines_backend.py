@@ -16,6 +16,9 @@ and read ``oneOf`` as ``anyOf``, and of competing keywords in one node it keeps 
 (``additionalProperties`` other than a schema adds none), in the schema's order.
 Dates and times follow RFC 3339 (``json_schema.FORMAT_PATTERNS``), not outlines-core's
 looser grammars.
+
+Matchers close within a budget (``supports_budget``): each compiled grammar measures,
+once, every state's distance in tokens to an end (`token_distance`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ember.plugin.grammar import (
     choice_regex,
     set_tokens,
 )
+from ember.plugins.grammar import token_distance
 from ember.plugins.grammar.json_schema import (
     check_schema,
     exclusive_keywords,
@@ -60,6 +64,8 @@ class OutlinesGrammar(BaseCompiledGrammar):
         self.index = index
         self.eos_token_ids = context.eos_token_ids
         self.num_words = context.num_mask_words
+        # None for an index too large to measure (token_distance.MAX_TRANSITIONS)
+        self.distances = token_distance.measure(index.get_transitions(), index.get_final_states(), self.eos_token_ids)
         # per final state: whether it allows nothing but EOS (computed when first reached)
         self._is_end_state: dict[int, bool] = {}
 
@@ -121,6 +127,31 @@ class OutlinesMatcher(BaseGrammarMatcher):
     @property
     def is_finished(self) -> bool:
         return self._has_eos or (self._guide.is_finished() and self._grammar.is_end_state(self._guide))
+
+    supports_budget = True
+
+    def min_tokens_to_end(self) -> int | None:
+        if self._has_eos:
+            return 0
+        distances = self._grammar.distances
+        return None if distances is None else distances.distance(self._guide.get_state())
+
+    def fill_bitmask_within(self, bitmask: torch.Tensor, row: int, tokens_left: int) -> None:
+        distances = self._grammar.distances
+        if self._has_eos or distances is None:
+            return self.fill_bitmask(bitmask, row)
+        state = self._guide.get_state()
+        # after this token, tokens_left - 1 remain for the rest and the EOS; below the
+        # distance nothing fits, and a shortest path is the best left
+        limit = max(tokens_left - 1, distances.distance(state) - 1)
+        state_row = distances.row(state)
+        if state_row.max_distance <= limit:
+            return self.fill_bitmask(bitmask, row)  # the budget does not bite here
+        target = bitmask[row]
+        target.zero_()
+        set_tokens(target, state_row.within(limit))
+        if self._guide.is_finished():
+            set_tokens(target, self._grammar.eos_token_ids)
 
 
 class OutlinesBackend(BaseGrammarBackend):
