@@ -49,6 +49,7 @@ from ember.api.commands import (
     run_watermark_detect,
 )
 from ember.api.lora import add_lora_arguments
+from ember.api.pooling import add_pooling_arguments
 
 # -- parser ------------------------------------------------------------------------------------
 
@@ -349,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arguments(serve)
     _add_server_arguments(serve)
     add_lora_arguments(serve)
+    add_pooling_arguments(serve)
     _add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
 

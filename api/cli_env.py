@@ -175,6 +175,11 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "max_cpu_loras": EnvOption("EMBER_MAX_CPU_LORAS", int),
     "lora_dtype": EnvOption("EMBER_LORA_DTYPE", _choice(("auto", "float32", "bfloat16", "float16"))),
     "enable_lora_runtime_updates": EnvOption("EMBER_ENABLE_LORA_RUNTIME_UPDATES", _parse_bool),
+    "pooling": EnvOption("EMBER_POOLING", _choice(("auto", "last", "mean", "cls"))),
+    "pooling_normalize": EnvOption("EMBER_POOLING_NORMALIZE", _parse_bool),
+    "matryoshka": EnvOption("EMBER_MATRYOSHKA", _parse_bool),
+    "score_template": EnvOption("EMBER_SCORE_TEMPLATE", str),
+    "score_tokens": EnvOption("EMBER_SCORE_TOKENS", str),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -239,6 +244,11 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_cpu_loras": None,  # None: --max-loras
     "lora_dtype": "auto",
     "enable_lora_runtime_updates": False,
+    "pooling": "auto",
+    "pooling_normalize": None,  # None: the model's sentence-transformers config says
+    "matryoshka": None,  # None: the model's config.json says
+    "score_template": None,
+    "score_tokens": None,  # None: yes,no
 }
 # TGI's variable: LoRA adapters to load at start, added to --lora-modules / EMBER_LORA_MODULES
 LORA_ADAPTERS_VARIABLE = "LORA_ADAPTERS"

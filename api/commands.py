@@ -122,6 +122,11 @@ def run_serve(args: argparse.Namespace) -> int:
         max_cpu_loras=args.max_cpu_loras,
         lora_dtype=args.lora_dtype,
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        pooling=args.pooling,
+        pooling_normalize=args.pooling_normalize,
+        matryoshka=args.matryoshka,
+        score_template=args.score_template,
+        score_tokens=args.score_tokens,
     )
     from ember.parallel import is_torchrun_worker, run_torchrun_worker
 

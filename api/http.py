@@ -225,7 +225,7 @@ class EventStreamResponse(StreamingResponse):
 def flavor_of(path: str) -> Flavor:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return Flavor.ANTHROPIC
-    return Flavor.OPENAI if path.startswith("/v1/") else Flavor.TGI
+    return Flavor.OPENAI if path.startswith("/v1/") or path == "/rerank" else Flavor.TGI  # /rerank: vLLM's, OpenAI errors
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

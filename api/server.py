@@ -27,13 +27,16 @@ from ember.api.errors import APIError, Flavor, error_response
 from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware, flavor_of
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
+from ember.api.pooling import create_score_template
 from ember.api.responses_store import ResponsesStore
 from ember.api.routes.anthropic import MessagesRoutes
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.lora import LoRAMetrics, LoRARoutes
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.openai_completions import CompletionRoutes
+from ember.api.routes.openai_embeddings import EmbeddingRoutes
 from ember.api.routes.openai_responses import ResponsesRoutes
+from ember.api.routes.rerank import RerankRoutes
 from ember.api.routes.tgi import TGIRoutes
 from ember.api.service import GenerationService, Lifecycle, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
@@ -102,6 +105,8 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     store = ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
     routes += ResponsesRoutes(service, store).routes()
     routes += LoRARoutes(service, settings.enable_lora_runtime_updates).routes()
+    score_template = create_score_template(settings.score_template, settings.score_tokens, engine.encode)
+    routes += EmbeddingRoutes(service).routes() + RerankRoutes(service, score_template).routes()
     routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 

@@ -126,6 +126,14 @@ class ServerSettings:
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"  # --lora-dtype (EngineConfig.lora_dtype)
     enable_lora_runtime_updates: bool = False
+    # pooling (docs/embeddings.md): --pooling, --pooling-normalize, --matryoshka (EngineConfig's
+    # fields of those names; None: the model's own config says); rerank/score by yes/no
+    # logits under --score-template (a file or the text) with --score-tokens (None: embedding cosine)
+    pooling: str = "auto"
+    pooling_normalize: bool | None = None
+    matryoshka: bool | None = None
+    score_template: str | None = None
+    score_tokens: str | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -356,6 +364,7 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
             max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank, max_cpu_loras=settings.max_cpu_loras,
             lora_dtype=settings.lora_dtype,
         )
+    kwargs.update(pooling=settings.pooling, pooling_normalize=settings.pooling_normalize, matryoshka=settings.matryoshka)
     return kwargs
 
 

@@ -307,6 +307,7 @@ def ROWS() -> list[Row]:
         # -- /v1/messages and /v1/messages/count_tokens (Anthropic's shape) --------------
         *ANTHROPIC_ROWS(),
         *RESPONSES_ROWS(),
+        *POOLING_ROWS(),
         Row("/info, /metrics, /openapi.json", lambda s: _open_routes(s), 200),
     ]
 
@@ -378,6 +379,38 @@ def RESPONSES_ROWS() -> list[Row]:
         Row("responses: 5k-character id", http("GET", "/v1/responses/" + "x" * 5000), 404, [openai_error]),
         Row("responses: cancel unknown", post("/v1/responses/resp_x/cancel", {}), 404, [openai_error]),
         Row("GET /v1/responses", http("GET", "/v1/responses"), 405, [openai_error]),
+    ]
+
+
+def POOLING_ROWS() -> list[Row]:
+    """/v1/embeddings, /v1/rerank, /rerank and /v1/score (OpenAI's error shape on all four)."""
+    emb = lambda **kw: {"model": "m", "input": "hi", **kw}
+    named = lambda *words: [openai_error, error_names(*words)]
+    return [
+        Row("embeddings: 1.9 MB input", post("/v1/embeddings", emb(input=BIG)), 422, named("input")),
+        Row("embeddings: 1.9 MB in 100 inputs", post("/v1/embeddings", emb(input=["p" * 19_000] * 100)), 422,
+            named("input")),
+        Row("embeddings: 10k inputs", post("/v1/embeddings", emb(input=["a"] * 10_000)), 422, named("input")),
+        Row("embeddings: 100k-deep nesting", raw("/v1/embeddings", DEEP), 400, [openai_error]),
+        Row("embeddings: empty body", raw("/v1/embeddings", b""), 400, [openai_error]),
+        Row("embeddings: token id 2**70", post("/v1/embeddings", emb(input=[2**70])), 422, named("input")),
+        Row("embeddings: list of empty lists", post("/v1/embeddings", emb(input=[[], []])), 422, named("input[0]")),
+        Row("embeddings: dimensions on a model without Matryoshka", post("/v1/embeddings", emb(dimensions=8)), 400,
+            named("dimensions")),
+        Row("embeddings: base64", post("/v1/embeddings", emb(encoding_format="base64")), 200),
+        Row("rerank: 1.9 MB query", post("/v1/rerank", {"query": BIG, "documents": ["a"]}), 422, named("query")),
+        Row("rerank: 1.9 MB document", post("/v1/rerank", {"query": "q", "documents": [BIG]}), 422,
+            named("documents[0]")),
+        Row("rerank: 10k documents", post("/v1/rerank", {"query": "q", "documents": ["a"] * 10_000}), 422,
+            named("documents")),
+        Row("rerank: document object without text", post("/rerank", {"query": "q", "documents": [{}]}), 422,
+            named("documents")),
+        Row("/rerank: empty body", raw("/rerank", b""), 400, [openai_error]),
+        Row("score: 1.9 MB text_2", post("/v1/score", {"text_1": "a", "text_2": BIG}), 422, named("text_2")),
+        Row("score: 2 against 3", post("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}), 422,
+            named("text_2")),
+        Row("GET /v1/embeddings", http("GET", "/v1/embeddings"), 405, [openai_error]),
+        Row("GET /rerank", http("GET", "/rerank"), 405, [openai_error]),
     ]
 
 

@@ -1,0 +1,109 @@
+"""What the embeddings, rerank and score routes share (docs/embeddings.md): a request's
+inputs checked and tokenized, and run as pooling requests.
+
+Every input of one HTTP request is one engine request (scheduled like a prompt,
+batched with whatever else runs, generating nothing) and takes one slot of
+--max-concurrent-requests, as a list prompt of /v1/completions does. Any causal LM
+can embed (last-token pooling of its final hidden states): a generation model is not
+refused, though only embedding models give embeddings worth comparing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+from starlette.requests import Request
+
+from ember.api.errors import APIError, validation_error
+from ember.api.http import ClientDisconnected, unless_disconnected
+from ember.api.service import GenerationService
+from ember.pooling_params import PoolingParams
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingJob:
+    """One input of a request: its token ids, and the field a 4xx about it names."""
+
+    prompt_ids: list[int]
+    param: str
+
+
+def tokenize_inputs(service: GenerationService, items: list, param: str, is_batch: bool) -> list[PoolingJob]:
+    """Each input (a string, or token ids) checked and tokenized; a 422 names the first
+    bad one (``input[2]``): empty, outside the vocabulary, longer than --max-input-tokens."""
+    if not items:
+        raise validation_error(f"`{param}` is empty: give at least one input", param)
+    if len(items) > service.limits.max_concurrent_requests:
+        raise validation_error(
+            f"`{param}` holds {len(items)} inputs; at most --max-concurrent-requests "
+            f"({service.limits.max_concurrent_requests}) can run at once", param,
+        )
+    names = [f"{param}[{i}]" if is_batch else param for i in range(len(items))]
+    vocab = service.model_info.vocab_size
+    for item, name in zip(items, names):
+        if isinstance(item, str):
+            if not item:
+                raise validation_error(f"`{name}` is an empty string: give a non-empty input", name)
+            service.check_chars(item, name)
+        elif not item:
+            raise validation_error(f"`{name}` is empty: give at least one token id", name)
+        else:
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise validation_error(f"`{name}` token id {bad} is outside the vocabulary [0, {vocab})", name)
+    jobs = []
+    for item, name in zip(items, names):
+        ids = service.encode(item) if isinstance(item, str) else list(item)
+        service.check_lengths(len(ids), 0, input_name=name)
+        jobs.append(PoolingJob(ids, name))
+    return jobs
+
+
+def check_dimensions(service: GenerationService, dimensions: int | None) -> None:
+    """400 naming ``dimensions`` unless the model supports truncated (Matryoshka) embeddings of that size."""
+    if dimensions is None:
+        return
+    pooling = service.model_info.pooling
+    if not pooling.is_matryoshka:
+        raise APIError(400, "`dimensions`: this model does not support truncated (Matryoshka) embeddings; "
+                       "remove the field (or start the server with --matryoshka for a model trained for it)",
+                       "validation", "dimensions")
+    if dimensions > pooling.hidden_size:
+        raise APIError(400, f"`dimensions` must be at most the model's embedding size {pooling.hidden_size}, "
+                       f"got {dimensions}", "validation", "dimensions")
+
+
+async def run_pooled(
+    service: GenerationService, request: Request, jobs: list[PoolingJob], pooling: PoolingParams,
+) -> list[torch.Tensor] | None:
+    """Every job's vector, in order (all queued at once: the engine batches them); None if
+    the client left (its requests are then aborted). One --max-concurrent-requests slot per job."""
+    params = SamplingParams.for_pooling(pooling)
+    for job in jobs:
+        service.validate(job.prompt_ids, params)
+    taken = 0
+    try:
+        for _ in jobs:
+            service.acquire()
+            taken += 1
+
+        async def one(job: PoolingJob) -> torch.Tensor:
+            last = None
+            async for last in service.generate(None, job.prompt_ids, params):
+                pass
+            return last.pooled
+
+        tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+        try:
+            return await unless_disconnected(request, asyncio.gather(*tasks))
+        except ClientDisconnected:
+            return None
+        finally:
+            for task in tasks:  # one failed (or the client left): the others are aborted
+                task.cancel()
+    finally:
+        for _ in range(taken):
+            service.release()
