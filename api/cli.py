@@ -16,11 +16,9 @@ environment variables and defaults are in `ember.api.cli_env`.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from ember.api.cli_env import (
     DEFAULT_MAX_TOKENS,
@@ -48,6 +46,7 @@ from ember.api.commands import (
     run_serve,
     run_watermark_detect,
 )
+from ember.api.logs import log_to_stderr
 from ember.api.lora import add_lora_arguments
 from ember.api.pooling import add_pooling_arguments
 
@@ -421,30 +420,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise UsageError('prompt is empty: give the text to complete, e.g. `ember generate "Hello"`')
 
 
-@contextmanager
-def _log_to_stderr(level: str, json_output: bool = False) -> Iterator[None]:
-    """Send the `ember` logger to stderr at `level` for the duration of one command;
-    restore it afterwards so that `main` called in-process leaves logging as it was.
-    With ``json_output`` uvicorn's own logger goes through the same JSON handler, so
-    that every line on stderr is one JSON object."""
-    from ember.api.logs import create_handler
-
-    handler = create_handler(sys.stderr, json_output)
-    loggers = [logging.getLogger("ember")] + ([logging.getLogger("uvicorn")] if json_output else [])
-    previous = [(logger, logger.level, logger.propagate) for logger in loggers]
-    loggers[0].setLevel(level.upper())
-    for logger in loggers:
-        logger.addHandler(handler)
-        logger.propagate = logger.propagate and not json_output
-    try:
-        yield
-    finally:
-        for logger, previous_level, propagate in previous:
-            logger.removeHandler(handler)
-            logger.setLevel(previous_level)
-            logger.propagate = propagate
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return its exit status (the console script exits with it)."""
     parser = build_parser()
@@ -464,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: warning: {warning}", file=sys.stderr)
     json_output = bool(getattr(args, "json_output", False))
     try:
-        with _log_to_stderr(args.log_level, json_output):
+        with log_to_stderr(args.log_level, json_output):
             return args.handler(args)
     except PluginLoadError as exc:
         print_error(str(exc), json_output)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -57,3 +59,25 @@ def create_handler(stream, json_output: bool) -> logging.Handler:
     handler.addFilter(RequestContextFilter())
     handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(TEXT_FORMAT, "%H:%M:%S"))
     return handler
+
+
+@contextmanager
+def log_to_stderr(level: str, json_output: bool = False) -> Iterator[None]:
+    """Send the `ember` logger to stderr at `level` for the duration of one command;
+    restore it afterwards so that `main` called in-process leaves logging as it was.
+    With ``json_output`` uvicorn's own logger goes through the same JSON handler, so
+    that every line on stderr is one JSON object."""
+    handler = create_handler(sys.stderr, json_output)
+    loggers = [logging.getLogger("ember")] + ([logging.getLogger("uvicorn")] if json_output else [])
+    previous = [(logger, logger.level, logger.propagate) for logger in loggers]
+    loggers[0].setLevel(level.upper())
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = logger.propagate and not json_output
+    try:
+        yield
+    finally:
+        for logger, previous_level, propagate in previous:
+            logger.removeHandler(handler)
+            logger.setLevel(previous_level)
+            logger.propagate = propagate
