@@ -26,6 +26,7 @@ class StoredResponse:
     conversation: tuple[dict[str, Any], ...]  # input items (all turns) then this response's output items
     model: str  # the `model` it ran under (a continuation on another adapter is allowed, as OpenAI)
     stored_at: float
+    num_input: int  # the conversation's first items: the input the response answered
 
 
 class ResponsesStore:
@@ -52,11 +53,11 @@ class ResponsesStore:
             self._expire()
             return len(self._entries)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], model: str) -> None:
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], model: str, num_input: int) -> None:
         """Keep ``response`` (a no-op when storing is off), evicting expired then oldest entries."""
         if not self.is_enabled:
             return
-        entry = StoredResponse(response, tuple(conversation), model, self._clock())
+        entry = StoredResponse(response, tuple(conversation), model, self._clock(), num_input)
         with self._lock:
             self._entries[response["id"]] = entry
             self._entries.move_to_end(response["id"])

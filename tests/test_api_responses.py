@@ -200,6 +200,26 @@ def test_previous_response_id_continues_and_retrieve(client, http, server):
     assert first.id in str(info.value)
 
 
+def test_input_items_list_the_conversation(client, http):
+    first = create(client, input=[{"role": "user", "content": "hello"}])
+    second = create(client, input="and then?", previous_response_id=first.id)
+    page = client.responses.input_items.list(second.id)
+    assert [item.type for item in page.data] == ["message"] * 3 and page.has_more is False
+    assert [item.role for item in page.data] == ["user", "assistant", "user"]  # newest first
+    assert page.data[0].content[0].text == "and then?" and page.data[0].content[0].type == "input_text"
+    assert page.data[1].id == first.output[0].id and page.data[1].content[0].text == first.output_text
+    assert page.data[2].id == client.responses.input_items.list(first.id).data[0].id  # ids are kept
+    asc = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [item["id"] for item in asc["data"]] == [page.data[2].id, page.data[1].id] and asc["has_more"] is True
+    rest = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc", "after": asc["last_id"]}).json()
+    assert [item["id"] for item in rest["data"]] == [page.data[0].id] and rest["has_more"] is False
+    for params, param in [({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x"}, "after"),
+                          ({"include": "x"}, "include")]:
+        r = http.get(f"/v1/responses/{second.id}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert http.get("/v1/responses/resp_nope/input_items").status_code == 404
+
+
 def test_stored_streamed_response(client, http):
     data = events_of(http, BASE)
     got = client.responses.retrieve(data[-1]["response"]["id"])
@@ -244,7 +264,7 @@ def test_store_unit_bounds():
     now = [0.0]
     store = ResponsesStore(2, 10.0, clock=lambda: now[0])
     for i in range(3):
-        store.put({"id": f"r{i}"}, [], "m")
+        store.put({"id": f"r{i}"}, [], "m", 0)
         now[0] += 4
     assert store.get("r0") is None and store.get("r1") is not None and len(store) == 2
     now[0] = 14.5  # r1 was stored at 4: 10.5 s old

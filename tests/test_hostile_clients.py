@@ -378,6 +378,8 @@ def RESPONSES_ROWS() -> list[Row]:
             200),
         Row("responses: 5k-character id", http("GET", "/v1/responses/" + "x" * 5000), 404, [openai_error]),
         Row("responses: cancel unknown", post("/v1/responses/resp_x/cancel", {}), 404, [openai_error]),
+        Row("responses: input_items of an unknown id", http("GET", "/v1/responses/resp_x/input_items?limit=" + DIGITS),
+            404, [openai_error]),
         Row("GET /v1/responses", http("GET", "/v1/responses"), 405, [openai_error]),
     ]
 

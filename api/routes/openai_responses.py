@@ -74,7 +74,8 @@ class ResponsesRoutes(ChatRoutes):
         return [Route("/v1/responses", self.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
-                Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"])]
+                Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
+                Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"])]
 
     @documented(summary="Responses (OpenAI)", tag="OpenAI", request=rs.ResponsesRequest, response=rs.ResponseObject,
                 streams=True, error_model=oa.ErrorResponse, errors=GENERATION_ERRORS)
@@ -119,6 +120,21 @@ class ResponsesRoutes(ChatRoutes):
         if not self.store.delete(response_id):
             return error_response(not_found(response_id), Flavor.OPENAI)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @documented(summary="A stored response's input items (OpenAI Responses)", tag="OpenAI")
+    async def input_items(self, request: Request) -> Response:
+        """Every item the response read (earlier turns' too), newest first unless `order=asc`,
+        `limit` (1-100, default 20) a page, `after` an item id to page on from."""
+        try:
+            entry = self.store.get(request.path_params["response_id"])
+            if entry is None:
+                raise not_found(request.path_params["response_id"])
+            listed = [items.listed_item(item) for item in entry.conversation[: entry.num_input]]
+            page, has_more = items.page(listed, dict(request.query_params))
+        except APIError as exc:
+            return error_response(exc, Flavor.OPENAI)
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": has_more})
 
     @documented(summary="Cancel a background response (OpenAI Responses): Ember has none", tag="OpenAI")
     async def cancel(self, request: Request) -> Response:
@@ -224,7 +240,7 @@ class ResponsesRoutes(ChatRoutes):
         """Store a finished response (with `store`), and the conversation it ends."""
         if plan.body.store and response["status"] != "failed":
             conversation = plan.conversation + [items.as_input_item(item) for item in response["output"]]
-            self.store.put(response, conversation, plan.body.model)
+            self.store.put(response, conversation, plan.body.model, len(plan.conversation))
 
     async def _events(self, plan: Plan, outputs: AsyncIterator) -> AsyncIterator[bytes]:
         writer = EventWriter()

@@ -90,7 +90,7 @@ def _parts_text(parts: list[dict[str, Any]], where: str) -> str:
 def check_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input as checked items (a string is one user message), as they will be stored."""
     if isinstance(items, str):
-        return [{"type": "message", "role": "user", "content": items}]
+        return [{"id": new_id("msg"), "type": "message", "role": "user", "content": items}]
     checked = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -112,7 +112,8 @@ def check_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise bad_request(f"`{where}.arguments` must be a JSON object's text, got {value.arguments[:200]!r}",
                                   f"{where}.arguments")
         dumped = value.model_dump(exclude_none=True, by_alias=True, exclude={"parsed_arguments"})
-        checked.append({"type": kind, **dumped})
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+        checked.append({"id": new_id(prefix), "type": kind, **dumped})  # an id the item came with is kept
     return checked
 
 
@@ -217,7 +218,40 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str = "c
 def as_input_item(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item a continuation reads (the stored conversation)."""
     if item["type"] == "message":
-        return {"type": "message", "role": "assistant", "content": item["content"][0]["text"]}
+        return {"id": item["id"], "type": "message", "role": "assistant", "content": item["content"][0]["text"]}
     if item["type"] == "function_call":
-        return {key: item[key] for key in ("type", "call_id", "name", "arguments")}
-    return {"type": "reasoning", "summary": []}
+        return {key: item[key] for key in ("id", "type", "call_id", "name", "arguments")}
+    return {"id": item["id"], "type": "reasoning", "summary": []}
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored input item as `GET /v1/responses/{id}/input_items` lists it (OpenAI's item shapes)."""
+    listed = {"status": "completed", **item}
+    if item["type"] == "message" and isinstance(item["content"], str):
+        kind = "output_text" if item["role"] == "assistant" else "input_text"
+        part = {"type": kind, "text": item["content"], **({"annotations": []} if kind == "output_text" else {})}
+        listed["content"] = [part]
+    return listed
+
+
+def page(listed: list[dict[str, Any]], query: dict[str, str]) -> tuple[list[dict[str, Any]], bool]:
+    """One page of listed items for the query's `order` (desc by default), `limit` and `after`,
+    and whether more follow; a 400 naming a bad parameter."""
+    unknown = sorted(set(query) - {"order", "limit", "after"})
+    if unknown:
+        raise bad_request(f"query parameter `{unknown[0]}` is not supported (order, limit, after are)", unknown[0])
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f'`order` must be "asc" or "desc", got {order[:50]!r}', "order")
+    text = query.get("limit", "20")
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 100):
+        raise bad_request(f"`limit` must be an integer from 1 to 100, got {text[:50]!r}", "limit")
+    ordered = listed[::-1] if order == "desc" else listed
+    start = 0
+    if "after" in query:
+        ids = [item["id"] for item in ordered]
+        if query["after"] not in ids:
+            raise bad_request(f"`after` names no input item of this response: {query['after'][:100]!r}", "after")
+        start = ids.index(query["after"]) + 1
+    end = start + int(text)
+    return ordered[start:end], end < len(ordered)
