@@ -150,3 +150,12 @@ def test_a_generation_model_embeds_with_its_last_token_and_refuses_dimensions(ti
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model="any", input="Hello", dimensions=8)
         assert info.value.body["param"] == "dimensions"
+
+
+def test_the_routes_are_in_the_openapi_document(server):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    for path, schema in (("/v1/embeddings", "EmbeddingRequest"), ("/v1/rerank", "RerankRequest"),
+                         ("/rerank", "RerankRequest"), ("/v1/score", "ScoreRequest")):
+        op = spec["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(schema)
+        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
