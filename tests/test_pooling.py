@@ -231,3 +231,21 @@ def test_async_engine_pools_in_both_engine_modes(base_model, mode):
 
     for prompt, out in zip(PROMPTS, asyncio.run(main())):
         assert_close(out.data, reference(hf, tokenizer.encode(prompt), "mean"))
+
+
+def test_a_causal_lm_saved_without_the_model_prefix_loads(tmp_path):
+    """Qwen3-Embedding's checkpoint: architecture Qwen3ForCausalLM, a tied head, tensors
+    named without "model." (as AutoModel saves them)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_tiny_model("qwen3", tmp_path, tie_word_embeddings=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=CHUNK)
+    ids = llm.get_tokenizer().encode(LONG)
+    assert_close(llm.embed(LONG, PoolingParams("last"))[0].data, reference(hf.model, ids, "last"))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+    assert llm.generate(LONG, greedy)[0].outputs[0].token_ids == want
