@@ -398,37 +398,68 @@ def test_unknown_model_is_a_404_with_adapters_on(tiny_llama_dir):
         assert raw.post("/v1/responses", json={**BASE, "max_output_tokens": 2}).status_code == 200
 
 
-FORCED_THINKING = r"<think>[a-z]{4}</think>[a-z]{3}"
-
-
 def test_reasoning_items_with_a_reasoning_parser(tiny_llama_dir):
-    """With --reasoning-parser, the reasoning is a `reasoning` item before the message (streamed as
-    reasoning_text events); a regular expression makes the random model write the tags."""
-    body = {**BASE, "max_output_tokens": 40, "guided_regex": FORCED_THINKING}
-    with running_server(tiny_llama_dir, max_total_tokens=128, reasoning_parser="qwen3") as running, \
+    """With --reasoning-parser, the reasoning is a `reasoning` item before the message, streamed as
+    reasoning_text events. deepseek_r1 reads an answer as reasoning until `</think>`, which the random
+    model never writes: the whole (cut) answer is reasoning, as the chat route's `reasoning_content`."""
+    body = {**BASE, "max_output_tokens": 6}
+    with running_server(tiny_llama_dir, max_total_tokens=128, reasoning_parser="deepseek_r1") as running, \
             httpx.Client(base_url=running.url, timeout=60) as raw:
+        chat = raw.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 6, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "hello"}]}).json()
+        thought = chat["choices"][0]["message"]["reasoning_content"]
+        assert thought and not chat["choices"][0]["message"]["content"]
         r = raw.post("/v1/responses", json=body).json()
         reasoning, message = r["output"]
-        assert reasoning["type"] == "reasoning" and reasoning["summary"] == [] and r["status"] == "completed"
-        [part] = reasoning["content"]
-        assert part["type"] == "reasoning_text" and len(part["text"]) == 4 and part["text"].isalpha()
-        text = message["content"][0]["text"]
-        assert message["type"] == "message" and len(text) == 3 and text.isalpha()
-        assert 0 < r["usage"]["output_tokens_details"]["reasoning_tokens"] < r["usage"]["output_tokens"]
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == [] and reasoning["id"].startswith("rs_")
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": thought}]
+        assert message["type"] == "message" and message["content"][0]["text"] == ""
+        assert r["status"] == "incomplete" and r["usage"]["output_tokens"] == 6
+        assert 0 < r["usage"]["output_tokens_details"]["reasoning_tokens"] <= 6
         data = events_of(raw, body)
         names = [d["type"] for d in data]
-        assert names.index("response.reasoning_text.delta") < names.index("response.reasoning_text.done") \
-            < names.index("response.output_text.delta")
-        assert "".join(d["delta"] for d in data if d["type"] == "response.reasoning_text.delta") == part["text"]
-        assert "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta") == text
+        assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
+        assert names.index("response.reasoning_text.done") < names.index("response.content_part.done") \
+            < names.index("response.output_item.done")
+        assert "".join(d["delta"] for d in data if d["type"] == "response.reasoning_text.delta") == thought
         final = data[-1]["response"]
         assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
-        # the reasoning item sent back is accepted and left out of the prompt
+        assert final["output"][0]["content"][0]["text"] == thought
+        # the reasoning item sent back is accepted and left out of the prompt, as in a continuation
         turn = [{"role": "user", "content": "hello"}, reasoning, message, {"role": "user", "content": "again"}]
         again = raw.post("/v1/responses", json={**BASE, "input": turn})
         assert again.status_code == 200, again.text
         chained = raw.post("/v1/responses", json={**BASE, "input": "again", "previous_response_id": r["id"]})
         assert chained.json()["usage"]["input_tokens"] == again.json()["usage"]["input_tokens"]
+
+
+def test_the_event_writer_opens_and_closes_items_in_order():
+    """Reasoning, then text, then a call (what the parsers report of one answer): each item is
+    closed before the next opens, sequence numbers count up, the items are the response's output."""
+    from ember.api.routes.responses_events import EventWriter
+
+    writer = EventWriter()
+    raw = [*writer.start({"id": "resp_1", "status": "in_progress"}), *writer.reasoning("thin"), *writer.reasoning("k"),
+           *writer.text("An"), *writer.text("swer"), *writer.call("call_1", "f"), *writer.arguments('{"a":'),
+           *writer.arguments(" 1}"), *writer.close("completed")]
+    events = [json.loads(chunk.decode().split("data: ", 1)[1]) for chunk in raw]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done"]
+    reasoning, message, call = writer.output
+    assert reasoning["content"][0]["text"] == "think" and message["content"][0]["text"] == "Answer"
+    assert call["arguments"] == '{"a": 1}' and call["call_id"] == "call_1" and call["status"] == "completed"
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert raw[0].startswith(b"event: response.created\ndata: ")
 
 
 def test_the_model_field_selects_a_lora_adapter(tiny_llama_dir, tmp_path):
