@@ -70,9 +70,12 @@ class PoolingDefaults:
     normalize: bool = True
     is_matryoshka: bool = False
     hidden_size: int = 0
+    unsupported: str | None = None  # why this engine runs no pooling request (None: it does)
 
     def apply(self, params: PoolingParams) -> PoolingParams:
         """A request's params with every field set (ValueError for dimensions the model cannot give)."""
+        if self.unsupported is not None:
+            raise ValueError(self.unsupported)
         if params.dimensions is not None:
             if not self.is_matryoshka:
                 raise ValueError("dimensions: this model does not support truncated (Matryoshka) embeddings")

@@ -153,7 +153,7 @@ def test_sentence_transformers_config_chooses_the_pooling(tmp_path):
     defaults = resolve_pooling_defaults(tmp_path, config)
     assert (defaults.pooling_type, defaults.normalize) == ("mean", True)
     # the engine's settings win over the model's config
-    defaults = resolve_pooling_defaults(tmp_path, config, "last", False)
+    defaults = resolve_pooling_defaults(tmp_path, config, EngineConfig(pooling="last", pooling_normalize=False))
     assert (defaults.pooling_type, defaults.normalize) == ("last", False)
 
 
@@ -208,6 +208,14 @@ def test_a_prompt_may_fill_the_context_when_pooled(base_model):
         small.embed(prompt_token_ids=[ids + [1]])
     with pytest.raises(ValueError, match="max_model_len"):
         small.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1))
+
+
+def test_pipeline_parallelism_refuses_pooling(tmp_path):
+    make_base_model("llama", tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    defaults = resolve_pooling_defaults(tmp_path, config, EngineConfig(pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        defaults.apply(PoolingParams())
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -44,17 +44,17 @@ from ember.sched.request import Request, RequestStatus
 from ember.sched.scheduler import Scheduler, record_step
 from ember.sched.step import SchedulerOutput, StepStats
 from ember.weights import resolve_model
+from ember.worker.adapter_slots import AdapterSlots
 from ember.worker.graphs import capture_decode_graphs
 from ember.worker.kv_sizing import (
     check_kv_cache,
     explicit_num_blocks,
-    step_token_budgets,
     kv_cache_spec_from_config,
     profile_kv_budget,
     resolve_block_size,
     resolve_max_model_len,
+    step_token_budgets,
 )
-from ember.worker.adapter_slots import AdapterSlots
 from ember.worker.logits_pipeline import LogitsPipeline
 from ember.worker.model_runner import ModelRunner
 
@@ -107,8 +107,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
 
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
-        self.pooling = resolve_pooling_defaults(self.model_dir, self.hf_config, config.pooling,
-                                                config.pooling_normalize, config.matryoshka)
+        self.pooling = resolve_pooling_defaults(self.model_dir, self.hf_config, config)
 
         attention = self.backend.create_attention()
         architectures = self.plugin_manager.registries.model_architectures

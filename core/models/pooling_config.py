@@ -18,6 +18,7 @@ import json
 import logging
 from pathlib import Path
 
+from ember.config import EngineConfig
 from ember.pooling_params import PoolingDefaults
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,12 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str | None, bool | N
     return kind, "Normalize" in kinds
 
 
-def resolve_pooling_defaults(model_dir: Path, hf_config, pooling: str = "auto", normalize: bool | None = None,
-                             matryoshka: bool | None = None) -> PoolingDefaults:
-    """The engine's pooling for this model (`EngineConfig.pooling`, `pooling_normalize`, `matryoshka`)."""
+def resolve_pooling_defaults(model_dir: Path, hf_config, config: EngineConfig | None = None) -> PoolingDefaults:
+    """The engine's pooling for this model (``config``'s `pooling`, `pooling_normalize`, `matryoshka`;
+    None: the defaults). Pipeline parallelism runs none: the driver holds the first stage, not the
+    final hidden states."""
+    pooling, normalize, matryoshka = ("auto", None, None) if config is None else (
+        config.pooling, config.pooling_normalize, config.matryoshka)
     st_kind, st_normalize = sentence_transformers_pooling(model_dir)
     kind = (st_kind or "last") if pooling == "auto" else pooling
     if normalize is None:
@@ -64,4 +68,7 @@ def resolve_pooling_defaults(model_dir: Path, hf_config, pooling: str = "auto", 
     if matryoshka is None:
         matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or getattr(hf_config, "matryoshka_dimensions", None))
     hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
-    return PoolingDefaults(kind, normalize, matryoshka, hidden)
+    unsupported = None
+    if config is not None and config.pipeline_parallel_size > 1:
+        unsupported = "pooling requests (embeddings) do not run with pipeline parallelism"
+    return PoolingDefaults(kind, normalize, matryoshka, hidden, unsupported)
