@@ -244,8 +244,13 @@ def test_unknown_ids_store_false_and_cancel(client, http):
 
 def test_store_bounds_size_and_age(model_dir):
     with running_server(model_dir, engine={"num_kv_blocks": 1024}, max_total_tokens=MAX_TOTAL_TOKENS,
-                        served_model_name="tiny", responses_store_size=2, responses_store_ttl=1.5) as running, \
+                        served_model_name="tiny", responses_store_size=2, responses_store_ttl=1.5,
+                        max_concurrent_requests=1) as running, \
             httpx.Client(base_url=running.url, timeout=60) as raw:
+        with raw.stream("POST", "/v1/responses", json={**BASE, "stream": True}) as held:  # holds the one slot
+            busy = raw.post("/v1/responses", json=BASE)
+            assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_exceeded", busy.text
+            held.read()
         ids = [raw.post("/v1/responses", json=BASE).json()["id"] for _ in range(3)]
         assert [raw.get(f"/v1/responses/{i}").status_code for i in ids] == [404, 200, 200]  # the oldest left
         time.sleep(1.6)
@@ -256,6 +261,26 @@ def test_store_bounds_size_and_age(model_dir):
             httpx.Client(base_url=running.url, timeout=60) as raw:
         first = raw.post("/v1/responses", json=BASE).json()
         assert first["store"] is True and raw.get(f"/v1/responses/{first['id']}").status_code == 404
+
+
+def test_store_flags_and_variables():
+    from ember.api.cli import build_parser
+    from ember.api.cli_env import apply_defaults
+    from ember.api.settings import ServerSettings
+
+    def serve_args(argv, environ):
+        args = build_parser().parse_args(["serve", *argv])
+        apply_defaults(args, environ)
+        return args
+
+    defaults = serve_args([], {})
+    assert (defaults.responses_store_size, defaults.responses_store_ttl) == (256, 3600.0)
+    args = serve_args(["--responses-store-ttl", "5"], {"EMBER_RESPONSES_STORE_SIZE": "0",
+                                                        "EMBER_RESPONSES_STORE_TTL": "9"})
+    assert (args.responses_store_size, args.responses_store_ttl) == (0, 5.0)  # the flag wins over the variable
+    for bad in ({"responses_store_size": -1}, {"responses_store_ttl": 0}, {"responses_store_ttl": float("inf")}):
+        with pytest.raises(ValueError, match="--responses-store-"):
+            ServerSettings(**bad)
 
 
 def test_store_unit_bounds():
