@@ -1,4 +1,4 @@
-"""The `ember` command line: `serve`, `generate`, `download`, `plugins`, `backends`, `watermark`, `bench`.
+"""The `ember` command line: `serve`, `generate`, `chat`, `download`, `plugins`, `backends`, `watermark`, `bench`.
 
 Every option takes its default from an ``EMBER_*`` environment variable, read when
 `main` runs (never at import); a flag on the command line wins over the variable.
@@ -20,19 +20,23 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ember.api.chat_cli import add_chat_arguments, run_chat
+from ember.api.cli_args import (
+    ExtendNames,
+    add_backend_arguments,
+    add_engine_arguments,
+    add_plugin_arguments,
+    add_sampling_arguments,
+    add_watermark_arguments,
+    graph_sizes,
+    origins_argument,
+)
 from ember.api.cli_env import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_TEMPERATURE,
-    DTYPES,
     ENV_OPTIONS,
-    KV_CACHE_DTYPES,
     LOG_LEVELS,
-    MODEL_IMPLS,
     PROG,
     UsageError,
     apply_defaults,
-    parse_graph_sizes,
-    parse_names,
     parse_size_option,
     retired_variable_warnings,
 )
@@ -53,110 +57,6 @@ from ember.api.pooling import add_pooling_arguments
 # -- parser ------------------------------------------------------------------------------------
 
 
-def _names_argument(values: str) -> list[str]:
-    names = parse_names(values)
-    if not names:
-        raise argparse.ArgumentTypeError("expected a plugin name")
-    return names
-
-
-def _origins_argument(values: str) -> list[str]:
-    origins = parse_names(values)
-    if not origins:  # an empty --cors-allow-origin allows nothing: say so rather than ignore it
-        raise argparse.ArgumentTypeError("expected an origin (scheme://host[:port]) or *")
-    return origins
-
-
-def _graph_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return parse_graph_sizes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class _ExtendNames(argparse.Action):
-    """Repeatable, comma-separated names: `--disable-plugin a --disable-plugin b,c`."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        current = getattr(namespace, self.dest) or []
-        setattr(namespace, self.dest, current + values)
-
-
-def _add_plugin_arguments(parser: argparse.ArgumentParser, *, with_required: bool) -> None:
-    parser.add_argument(
-        "--disable-plugin", metavar="NAME", type=_names_argument, action=_ExtendNames, default=None,
-        help="do not load this plugin (repeatable, or comma-separated) [EMBER_DISABLE_PLUGIN]",
-    )
-    if with_required:
-        parser.add_argument(
-            "--plugin", metavar="NAME", type=_names_argument, action=_ExtendNames, default=None,
-            help="require this plugin: failing to load it is an error (repeatable) [EMBER_PLUGIN]",
-        )
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model and engine options shared by commands that load a model."""
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model-id", metavar="M", default=None,
-        help="model directory, .gguf file, or Hugging Face Hub id (org/name, or org/name:FILE.gguf for one GGUF "
-        "file), taken from the HF cache or downloaded; default: SmolLM2-135M-Instruct [EMBER_MODEL_ID]",
-    )
-    group.add_argument("--revision", metavar="R", default=None, help="hub revision [EMBER_REVISION]")
-    group.add_argument("--gguf-file", metavar="F", default=None,
-                       help="the one GGUF file of the hub repo --model-id to fetch and load (as org/name:F)")
-    group.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default auto) [EMBER_DTYPE]")
-    group.add_argument(
-        "--model-impl", choices=MODEL_IMPLS, default=None,
-        help="which code runs the model: ember (native; refused when the architecture has none), transformers "
-        "(the fallback through transformers' modeling code with Ember's paged attention), auto (default: native "
-        "where it exists, else the fallback; docs/model-impl.md) [EMBER_MODEL_IMPL]",
-    )
-    group.add_argument(
-        "--quantize", metavar="NAME", default=None,
-        help="quantize a float checkpoint's weights at load: int8 (per channel), int4 (groups of 64), int4-g32, "
-        "int4-g128; a quantized checkpoint (GPTQ, AWQ, compressed-tensors, bitsandbytes, fp8) is read as it is "
-        "(docs/quantization.md) [EMBER_QUANTIZE]",
-    )
-    group.add_argument(
-        "--dequantize", action="store_true", default=None,
-        help="load quantized weights the backend has no kernel for as float weights instead of refusing them "
-        "[EMBER_DEQUANTIZE]",
-    )
-    group.add_argument(
-        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-        help="the KV cache's dtype; auto (default): the backend's choice (cpu: float16 beside a quantized model's "
-        "float32 compute, else the compute dtype) [EMBER_KV_CACHE_DTYPE]",
-    )
-    _add_plugin_arguments(group, with_required=True)
-
-
-def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("backend")
-    group.add_argument(
-        "--backend-option", metavar="KEY=VALUE", action="append", default=None,
-        help="set one of the hardware backend's options (repeatable; `ember backends options NAME` lists them, "
-        "e.g. cpu: linear=plain); wins over the same key of EMBER_BACKEND_OPTIONS "
-        "[EMBER_BACKEND_OPTIONS, a JSON object: '{\"linear\": \"plain\"}']",
-    )
-
-
-def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument(
-        "--max-tokens", metavar="N", type=int, default=None,
-        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}) [EMBER_MAX_TOKENS]",
-    )
-    group.add_argument(
-        "--temperature", metavar="T", type=float, default=None,
-        help=f"{DEFAULT_TEMPERATURE:g} (the default) is greedy: the most likely token each step; "
-        "higher samples more freely (1.0: the model's own distribution) [EMBER_TEMPERATURE]",
-    )
-    group.add_argument("--top-p", metavar="P", type=float, default=None, help="nucleus mass (default 1.0) [EMBER_TOP_P]")
-    group.add_argument("--top-k", metavar="K", type=int, default=None, help="-1 disables (default) [EMBER_TOP_K]")
-    group.add_argument("--seed", metavar="S", type=int, default=None, help="make sampling reproducible [EMBER_SEED]")
-
-
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--hostname", metavar="H", default=None, help="address to bind (default 127.0.0.1) [EMBER_HOSTNAME]")
@@ -171,7 +71,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "[EMBER_DISABLE_CHUNKED_PREFILL]",
     )
     group.add_argument(
-        "--cuda-graphs", metavar="SIZES", type=_graph_sizes, default=None,
+        "--cuda-graphs", metavar="SIZES", type=graph_sizes, default=None,
         help="decode batch sizes captured in device graphs, e.g. 1,2,4,8 (CUDA and ROCm: CUDA graphs; cpu: CPU "
         "graphs of the native kernels); 0 turns them off (default: cpu 1-8,12,16,24,32; else 1,2,4,8 and every 16 "
         "up to --max-batch-size, at most 256) [EMBER_CUDA_GRAPHS]",
@@ -227,7 +127,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "variable, which `ps` does not show [EMBER_API_KEY]",
     )
     production.add_argument(
-        "--cors-allow-origin", metavar="ORIGIN", type=_origins_argument, action=_ExtendNames, default=None,
+        "--cors-allow-origin", metavar="ORIGIN", type=origins_argument, action=ExtendNames, default=None,
         help="allow browser requests from this origin, or * (repeatable, or comma-separated) [EMBER_CORS_ALLOW_ORIGIN]",
     )
     production.add_argument(
@@ -294,14 +194,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_watermark_arguments(parser: argparse.ArgumentParser, *, with_delta: bool) -> None:
-    group = parser.add_argument_group("watermark (the watermark plugin)")
-    group.add_argument("--watermark-key", metavar="KEY", default=None, help="secret key of the green lists [EMBER_WATERMARK_KEY]")
-    group.add_argument("--watermark-gamma", metavar="G", type=float, default=None, help="green fraction (default 0.25) [EMBER_WATERMARK_GAMMA]")
-    if with_delta:
-        group.add_argument("--watermark-delta", metavar="D", type=float, default=None, help="bias added to green logits (default 2.0) [EMBER_WATERMARK_DELTA]")
-
-
 def build_parser() -> argparse.ArgumentParser:
     # --log-level is accepted before and after the command; SUPPRESS keeps the
     # subcommand's copy from overwriting a value given before it.
@@ -324,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", default=None,
         help="send PROMPT as one user message through the model's chat template [EMBER_CHAT]",
     )
-    _add_engine_arguments(generate)
-    _add_backend_arguments(generate)
-    _add_sampling_arguments(generate)
+    add_engine_arguments(generate)
+    add_backend_arguments(generate)
+    add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
 
     download = commands.add_parser(
@@ -344,13 +236,24 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", parents=[common], help="serve the TGI- and OpenAI-compatible HTTP API",
         description="Load a model and serve it over HTTP (TGI and OpenAI routes, SSE streaming). "
         "Limits left unset are derived from the model and the KV cache.",
+    chat = commands.add_parser(
+        "chat", parents=[common], help="chat in the terminal with a model or a running server",
+        description="An interactive chat: with --url, a running server's; else the model is loaded here. "
+        "/help lists the commands; Ctrl-C stops an answer, Ctrl-D leaves.",
     )
-    _add_engine_arguments(serve)
-    _add_backend_arguments(serve)
+    add_chat_arguments(chat)
+    add_engine_arguments(chat)
+    add_backend_arguments(chat)
+    add_sampling_arguments(chat)
+    chat.set_defaults(handler=run_chat)
+
+    )
+    add_engine_arguments(serve)
+    add_backend_arguments(serve)
     _add_server_arguments(serve)
     add_lora_arguments(serve)
     add_pooling_arguments(serve)
-    _add_watermark_arguments(serve, with_delta=True)
+    add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
 
     watermark = commands.add_parser(
@@ -367,15 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--text", metavar="T", help="text, tokenized with the model's tokenizer")
     source.add_argument("--token-ids", metavar="ID", type=int, nargs="+", help="token ids")
     detect.add_argument("--prefix-token-id", metavar="ID", type=int, default=None, help="the token before --token-ids")
-    _add_engine_arguments(detect)
-    _add_watermark_arguments(detect, with_delta=False)
+    add_engine_arguments(detect)
+    add_watermark_arguments(detect, with_delta=False)
     detect.set_defaults(handler=run_watermark_detect)
 
     plugins = commands.add_parser(
         "plugins", parents=[common], help="list discovered plugins and what they register",
         description="List every plugin of the `ember` entry-point group and what it registers.",
     )
-    _add_plugin_arguments(plugins, with_required=False)
+    add_plugin_arguments(plugins, with_required=False)
     plugins.add_argument("--json", action="store_true", default=None, help="machine-readable output")
     plugins.set_defaults(handler=run_plugins)
 
@@ -391,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--interpret", action="store_true", default=None,
                        help="run a device backend on CPU tensors (its Triton kernels under Triton's interpreter; "
                        "decode graphs replayed eagerly)")
-    _add_plugin_arguments(check, with_required=False)
+    add_plugin_arguments(check, with_required=False)
     check.set_defaults(handler=run_backends_check)
     options = backend_commands.add_parser(
         "options", parents=[common], help="list a backend's options (--backend-option KEY=VALUE)",
@@ -401,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     options.add_argument("name", metavar="NAME", help="a backend name (ember plugins lists them)")
     options.add_argument("--json", dest="as_json", action="store_true", default=None, help="machine-readable output")
-    _add_plugin_arguments(options, with_required=False)
+    add_plugin_arguments(options, with_required=False)
     options.set_defaults(handler=run_backends_options)
 
     from ember.api.bench.cli import add_bench_parser  # `ember bench`: its own package

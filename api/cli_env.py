@@ -158,6 +158,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "api_key": EnvOption("EMBER_API_KEY", str),
     "cors_allow_origin": EnvOption("EMBER_CORS_ALLOW_ORIGIN", parse_names),
     "json_output": EnvOption("EMBER_JSON_OUTPUT", _parse_bool),
+    "chat_url": EnvOption("EMBER_CHAT_URL", str),
     "otlp_endpoint": EnvOption("EMBER_OTLP_ENDPOINT", str),
     "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
     "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
@@ -230,6 +231,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "otlp_endpoint": None,
     "otlp_service_name": "ember",
     "graceful_termination_timeout": 30.0,
+    "chat_url": None,  # `ember chat`: None loads the model in-process
     "request_body_timeout": 30.0,
     "responses_store_size": 256,
     "responses_store_ttl": 3600.0,
