@@ -191,6 +191,9 @@ def test_previous_response_id_continues_and_retrieve(client, http, server):
     assert second.previous_response_id == first.id
     third = create(client, input="more", previous_response_id=second.id)  # the chain holds all three turns
     assert third.usage.input_tokens > second.usage.input_tokens + first.usage.output_tokens
+    for query in ("stream=true", "include=reasoning.encrypted_content"):
+        r = http.get(f"/v1/responses/{second.id}?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == query.split("=")[0], r.text
     got = client.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == second.output_text and got.usage == second.usage
     deleted = http.delete(f"/v1/responses/{first.id}")

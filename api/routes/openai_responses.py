@@ -106,9 +106,11 @@ class ResponsesRoutes(ChatRoutes):
     @documented(summary="A stored response (OpenAI Responses)", tag="OpenAI", response=rs.ResponseObject)
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        if request.query_params.get("stream") in ("true", "1"):
-            return error_response(bad_request("`stream` on GET is for background responses, which Ember does not "
-                                              "have", "stream"), Flavor.OPENAI)
+        refused = next((name for name in ("stream", "starting_after", "include") if name in request.query_params), None)
+        if refused is not None:  # a background response's stream, or optional output Ember does not fill
+            return error_response(bad_request(f"query parameter `{refused}` is not supported by Ember (it has no "
+                                              "background responses and fills no `include` values)", refused),
+                                  Flavor.OPENAI)
         entry = self.store.get(response_id)
         if entry is None:
             return error_response(not_found(response_id), Flavor.OPENAI)
