@@ -16,11 +16,15 @@ import torch.nn.functional as F
 import transformers
 
 from ember import LLM, SamplingParams
-from ember.config import EngineConfig
+from ember.config import EngineConfig, SchedulerConfig
 from ember.engine.async_engine import AsyncLLMEngine
 from ember.engine.llm_engine import LLMEngine
 from ember.models.pooling_config import resolve_pooling_defaults
 from ember.pooling_params import PoolingParams
+from ember.sched.kv_cache_manager import KVCacheManager
+from ember.sched.request import Request
+from ember.sched.scheduler import Scheduler
+from ember.sched.step import ModelRunnerOutput
 from ember.testing.tiny_models import VOCAB_SIZE, byte_tokenizer, make_tiny_model
 
 CHUNK = 8  # max_num_batched_tokens: every long prompt here takes several prefill chunks
@@ -257,3 +261,67 @@ def test_a_causal_lm_saved_without_the_model_prefix_loads(tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
     assert llm.generate(LONG, greedy)[0].outputs[0].token_ids == want
+
+
+# -- the scheduler alone (hand-built runner outputs, no model) -----------------------------
+def _scheduler(num_blocks: int = 32, budget: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, 64), KVCacheManager(num_blocks, 4, enable_prefix_caching=True))
+
+
+def _run_step(sched: Scheduler, pooled: dict | None = None):
+    """One step whose sampling requests sample token 7 (and pooling ones get ``pooled``)."""
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[7] if rid in out.sampling_request_ids else [] for rid in ids]
+    return out, sched.update_from_output(out, ModelRunnerOutput(ids, sampled, pooled=pooled))
+
+
+def test_scheduler_pools_a_prompt_in_chunks_and_samples_nothing():
+    sched = _scheduler()
+    params = SamplingParams.for_pooling(PoolingParams("mean", True))
+    sched.add_request(Request("p", list(range(10, 30)), params))  # 20 tokens: chunks of 8, 8, 4
+    sched.add_request(Request("g", list(range(40, 44)), SamplingParams(max_tokens=3, temperature=0)))
+    chunks = []
+    while "p" in sched.requests:
+        remaining = 20 - sched.requests["p"].num_computed_tokens
+        out, updates = _run_step(sched, pooled={"p": "vec"} if remaining <= 8 else None)
+        assert "p" not in out.sampling_request_ids
+        chunks.append(out.num_scheduled_tokens.get("p", 0))
+    assert chunks == [8, 8, 4]
+    finished = next(u.request for u in updates if u.request.request_id == "p")
+    assert finished.pooled == "vec" and finished.finish_reason == "stop" and finished.output_token_ids == []
+    assert "g" in sched.requests  # the generating request goes on
+
+
+@pytest.mark.parametrize("kind,reuses", [("mean", False), ("cls", False), ("last", True), ("logits", True)])
+def test_scheduler_gives_cached_blocks_only_to_pooling_that_reads_the_last_position(kind, reuses):
+    sched = _scheduler(budget=32)
+    prompt = list(range(10, 30))
+    sched.add_request(Request("first", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    _run_step(sched)
+    assert "first" not in sched.requests  # finished: its full blocks are cached
+    pooling = PoolingParams(kind, logit_token_ids=(1,) if kind == "logits" else ())
+    sched.add_request(Request("pool", prompt, SamplingParams.for_pooling(pooling)))
+    out = sched.schedule()
+    new = out.new_requests[0]
+    assert (new.num_computed_tokens > 0) == reuses
+    assert out.num_scheduled_tokens["pool"] == 20 - new.num_computed_tokens
+
+
+def test_a_preempted_pooling_request_recomputes_its_mean_from_the_start(tmp_path):
+    """A KV pool too small for both: the pooling request (admitted last) is preempted
+    mid-prefill, comes back and computes its prompt again; its mean is still exact."""
+    hf = make_base_model("llama", tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=20, block_size=4, max_num_batched_tokens=CHUNK,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    generating = engine.add_request("Once upon a time there was a quick brown fox",
+                                    SamplingParams(max_tokens=36, temperature=0, ignore_eos=True))
+    engine.step()
+    pooling = engine.add_request(LONG, SamplingParams.for_pooling(PoolingParams("mean")))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.num_preemptions > 0
+    assert len(finished[generating].outputs[0].token_ids) == 36
+    assert_close(finished[pooling].pooled, reference(hf, llm.get_tokenizer().encode(LONG), "mean"))
