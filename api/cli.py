@@ -100,6 +100,16 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--grammar-compile-timeout", metavar="SECONDS", type=float, default=None,
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )
+    group.add_argument(
+        "--grammar-repetition-limit", metavar="N", type=int, default=None,
+        help="in constrained outputs, mask the token that would extend a run of N tokens repeating in a string, "
+        "number or whitespace (default: 12; 0: off; docs/grammar.md) [EMBER_GRAMMAR_REPETITION_LIMIT]",
+    )
+    group.add_argument(
+        "--disable-grammar-budget", action="store_true", default=None,
+        help="do not steer constrained outputs to close within max_tokens (docs/grammar.md) "
+        "[EMBER_DISABLE_GRAMMAR_BUDGET]",
+    )
     parallel = parser.add_argument_group("parallelism (docs/parallel.md)")
     parallel.add_argument(
         "--tensor-parallel-size", "--num-shard", dest="tensor_parallel_size", metavar="N", type=int, default=None,

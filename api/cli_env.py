@@ -152,6 +152,8 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "kv_cache_dtype": EnvOption("EMBER_KV_CACHE_DTYPE", _choice(KV_CACHE_DTYPES)),
     "model_impl": EnvOption("EMBER_MODEL_IMPL", _choice(MODEL_IMPLS)),
     "grammar_compile_timeout": EnvOption("EMBER_GRAMMAR_COMPILE_TIMEOUT", float),
+    "grammar_repetition_limit": EnvOption("EMBER_GRAMMAR_REPETITION_LIMIT", int),
+    "disable_grammar_budget": EnvOption("EMBER_DISABLE_GRAMMAR_BUDGET", _parse_bool),
     "watermark_key": EnvOption("EMBER_WATERMARK_KEY", str),
     "watermark_gamma": EnvOption("EMBER_WATERMARK_GAMMA", float),
     "watermark_delta": EnvOption("EMBER_WATERMARK_DELTA", float),
@@ -223,6 +225,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "model_impl": "auto",
     "grammar_compile_timeout": 60.0,
     "watermark_key": None,  # None: the watermark plugin's own defaults
+    "grammar_repetition_limit": 12,
+    "disable_grammar_budget": False,
     "watermark_gamma": None,
     "watermark_delta": None,
     "api_key": None,

@@ -83,6 +83,9 @@ class ServerSettings:
     grammar_backend: str = "outlines"
     grammar_compile_timeout: float = 60.0
     # --reasoning-parser NAME (docs/reasoning.md): chat answers' reasoning as reasoning_content; None: off
+    # constrained outputs that close (docs/grammar.md): --grammar-repetition-limit N (0: off), --disable-grammar-budget
+    grammar_repetition_limit: int = 12
+    disable_grammar_budget: bool = False
     reasoning_parser: str | None = None
     # --tool-call-parser NAME (docs/grammar.md): the parser of `tool_choice: "auto"` answers; None: the chat template's
     tool_call_parser: str | None = None
@@ -180,6 +183,9 @@ class ServerSettings:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
         if self.kv_cache_memory is not None and self.max_batch_total_tokens is not None:
             raise ValueError(
+        limit = self.grammar_repetition_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"--grammar-repetition-limit must be an integer >= 0 (0: off), got {limit!r}")
                 f"give --kv-cache-memory ({self.kv_cache_memory} bytes) or --max-batch-total-tokens "
                 f"({self.max_batch_total_tokens} tokens), not both: each sizes the KV cache"
             )
@@ -357,6 +363,8 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
     if settings.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
     if settings.model_impl != "auto":
+    kwargs["grammar_repetition_limit"] = settings.grammar_repetition_limit
+    kwargs["grammar_budget"] = not settings.disable_grammar_budget
         kwargs["model_impl"] = settings.model_impl
     if settings.lora_enabled:
         kwargs.update(

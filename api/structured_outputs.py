@@ -15,14 +15,24 @@ output too).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ember.api.errors import APIError, bad_request
 from ember.constraint import Constraint
 from ember.engine.client import EngineClient
 from ember.outputs import RequestOutput
+from ember.plugin.reasoning_parser import BaseReasoningParser
+from ember.sampling_params import SamplingParams
 
 GRAMMAR_ERROR_TYPE = "grammar"
+
+
+def after_reasoning(params: SamplingParams, parser: type[BaseReasoningParser] | None) -> SamplingParams:
+    """``params`` whose constraint applies after the reasoning ``parser`` (--reasoning-parser)
+    reads, not inside it (docs/grammar.md, "Grammars after reasoning")."""
+    span = parser.grammar_span() if parser is not None and params.constraint is not None else None
+    return params if span is None else dataclasses.replace(params, grammar_after=span)
 
 
 def _constraint(param: str, make) -> Constraint:

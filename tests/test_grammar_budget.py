@@ -7,6 +7,7 @@ grammar applied after a reasoning span."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -17,9 +18,12 @@ from tiny_models import VOCAB_SIZE, byte_tokenizer
 from ember import LLM, SamplingParams
 from ember.constraint import Constraint
 from ember.engine.grammar_guard import GuardedMatcher, GuardSettings, Vocab, repeating_token
+from ember.plugin import create_plugin_manager, hookimpl
 from ember.plugin.grammar import GrammarContext
+from ember.plugin.logits_processor import BaseLogitsProcessor
 from ember.plugins.grammar import token_distance
 from ember.plugins.grammar.outlines_backend import OutlinesBackend, OutlinesGrammar, OutlinesMatcher
+from ember.sampling_params import ReasoningSpan
 from ember.testing import check_grammar_backend
 
 
@@ -218,3 +222,89 @@ def test_a_budget_below_any_completion_ends_as_length(llms):
     out = on.generate("x", SamplingParams(temperature=0, max_tokens=5, constraint=Constraint.json_schema(schema)))
     completion = out[0].outputs[0]
     assert completion.finish_reason == "length" and completion.text == '{"nam'
+
+
+# -- grammars after reasoning ------------------------------------------------------------
+QWEN3 = ReasoningSpan("<think>", "</think>", starts_inside=False)
+R1 = ReasoningSpan("<think>", "</think>", starts_inside=True)
+
+
+def test_the_guard_leaves_reasoning_free_then_starts_the_grammar(outlines, context):
+    guard = guarded(outlines, context, r"(yes|no)-[0-9]{2}", span=QWEN3)
+    assert allowed_text(context, guard.fill_bitmask) == {b"y", b"n", b"<"}  # the answer, or the opening tag
+    walk(guard, context, b"<th")
+    assert allowed_text(context, guard.fill_bitmask) == {b"i"}  # half a tag: only the tag goes on
+    walk(guard, context, b"ink>Let me think: {} </thin")
+    assert len(allowed_text(context, guard.fill_bitmask)) > 200  # reasoning: free
+    walk(guard, context, b"k>")
+    assert allowed_text(context, guard.fill_bitmask) == {b"y", b"n"}
+    walk(guard, context, b"no-4")
+    guard.rollback(6)  # back into the reasoning, "</thin" spelt
+    walk(guard, context, b"k>yes-12")
+    assert guard.is_finished
+    direct = guarded(outlines, context, r"(yes|no)-[0-9]{2}", span=QWEN3)
+    walk(direct, context, b"n")  # no reasoning: the grammar from the first token
+    assert allowed_text(context, direct.fill_bitmask) == {b"o"}
+    direct.rollback(1)
+    assert allowed_text(context, direct.fill_bitmask) == {b"y", b"n", b"<"}
+    inside = guarded(outlines, context, r"(yes|no)-[0-9]{2}", span=R1)
+    assert len(allowed_text(context, inside.fill_bitmask)) > 200  # R1 starts inside the reasoning
+
+
+def test_reasoning_parsers_give_their_span_and_the_api_applies_it():
+    from ember.api.structured_outputs import after_reasoning
+    from ember.plugin.reasoning_parser import BaseReasoningParser
+    from ember.plugins.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+    assert Qwen3ReasoningParser.grammar_span() == QWEN3 and DeepSeekR1ReasoningParser.grammar_span() == R1
+    assert BaseReasoningParser.grammar_span() is None  # a parser without it: the grammar from the first token
+    params = SamplingParams(constraint=Constraint.regex("a"))
+    assert after_reasoning(params, Qwen3ReasoningParser).grammar_after == QWEN3
+    assert after_reasoning(params, None) is params
+    assert after_reasoning(SamplingParams(), Qwen3ReasoningParser).grammar_after is None
+    with pytest.raises(ValueError, match="grammar_after must be None or an ember.sampling_params.ReasoningSpan"):
+        SamplingParams(grammar_after="</think>")
+
+
+class Script(BaseLogitsProcessor):
+    """Makes the tiny Llama think: writes the tokens of ``extra["script"]`` first (the
+    reasoning a real reasoning model would write), then leaves the model alone."""
+
+    name = "script"
+
+    def apply(self, logits, rows):
+        for i, row in enumerate(rows):
+            script = self.context.tokenizer.encode(row.params.extra["script"], add_special_tokens=False)
+            if row.num_output_tokens < len(script):
+                logits[i] = float("-inf")
+                logits[i, script[row.num_output_tokens]] = 0.0
+        return logits
+
+
+class ScriptPlugin:
+    @hookimpl
+    def ember_register_logits_processors(self, registry):
+        registry.register(Script.name, Script)
+
+
+@pytest.fixture(scope="module")
+def scripted_llm(tiny_llama_dir):
+    pm = create_plugin_manager(extra_plugins=[("script-test", ScriptPlugin())])
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, block_size=4, plugin_manager=pm)
+
+
+@pytest.mark.parametrize("span, script", [
+    (QWEN3, "<think>hm, {yes}?</think>"), (R1, "hm, {no}</think>"), (QWEN3, "no"),  # no reasoning: grammar at once
+])
+def test_the_engine_constrains_the_answer_after_the_reasoning(scripted_llm, span, script):
+    from ember.plugins.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+    regex = r"(yes|no)-[0-9]{2}"
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=60, constraint=Constraint.regex(regex),
+                            grammar_after=span, extra={"script": script})
+    completion = scripted_llm.generate("q", params)[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.text.startswith(script), completion
+    parser = Qwen3ReasoningParser if span is QWEN3 else DeepSeekR1ReasoningParser
+    reasoning, content = parser().extract(completion.text)
+    assert re.fullmatch(regex, content), completion.text
+    assert reasoning == (script.removeprefix("<think>").removesuffix("</think>") if "</think>" in script else None)

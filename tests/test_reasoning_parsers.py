@@ -78,9 +78,9 @@ def test_an_unknown_reasoning_parser_is_refused_before_loading(capsys, monkeypat
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
-FORCED = r"<think>[a-z]{4}</think>[a-z]{3}"
+# the tiny model thinks as scripted (test_grammar_budget.Script); the grammar constrains the answer after it
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
-        "guided_regex": FORCED}
+        "guided_regex": "[a-z]{3}", "extra": {"script": "<think>abcd</think>"}}
 
 
 def streamed(http: httpx.Client, body: dict) -> list[dict]:
@@ -93,8 +93,17 @@ def streamed(http: httpx.Client, body: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir):
-    with running_server(tiny_llama_dir, max_total_tokens=128, reasoning_parser="qwen3") as server:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+    from test_grammar_budget import ScriptPlugin
+
+    import ember.engine.core
+
+    def with_script(*args, **kwargs):
+        return create_plugin_manager(*args, extra_plugins=[("script-test", ScriptPlugin())], **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ember.engine.core, "create_plugin_manager", with_script)
+        with running_server(tiny_llama_dir, max_total_tokens=128, reasoning_parser="qwen3") as server, \
+                httpx.Client(base_url=server.url, timeout=60) as c:
             yield c
 
 
@@ -114,10 +123,11 @@ def test_chat_returns_reasoning_content(http):
 
 
 def test_without_think_tags_everything_is_content(http):
-    r = http.post("/v1/chat/completions", json={**CHAT, "guided_regex": "[a-z]{5}"})
+    plain = {**CHAT, "guided_regex": "[a-z]{5}", "extra": {"script": "a"}}  # an answer from the first token
+    r = http.post("/v1/chat/completions", json=plain)
     message = r.json()["choices"][0]["message"]
     assert message["reasoning_content"] is None and re.fullmatch("[a-z]{5}", message["content"])
-    deltas = streamed(http, {**CHAT, "guided_regex": "[a-z]{5}"})
+    deltas = streamed(http, plain)
     assert not any(d.get("reasoning_content") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
 
@@ -125,6 +135,9 @@ def test_without_think_tags_everything_is_content(http):
 def test_off_by_default(tiny_llama_dir):
     with running_server(tiny_llama_dir, max_total_tokens=128) as server:
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            message = c.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
-            assert "reasoning_content" not in message and re.fullmatch(FORCED, message["content"])
-            assert not any("reasoning_content" in d for d in streamed(c, CHAT))
+            forced = r"<think>[a-z]{4}</think>[a-z]{3}"  # without a parser a grammar covers the whole answer
+            body = {**CHAT, "guided_regex": forced}
+            del body["extra"]
+            message = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert "reasoning_content" not in message and re.fullmatch(forced, message["content"])
+            assert not any("reasoning_content" in d for d in streamed(c, body))

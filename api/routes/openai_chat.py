@@ -36,7 +36,7 @@ from ember.api.routes.openai import (
 )
 from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService
-from ember.api.structured_outputs import check_backend, failure, openai_constraint
+from ember.api.structured_outputs import after_reasoning, check_backend, failure, openai_constraint
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
 from ember.outputs import RequestOutput
 from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
@@ -193,6 +193,7 @@ class ChatRoutes(OpenAIRoutes):
         length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
+        params = after_reasoning(params, self._reasoning_parser())
         self.service.validate(ids, params)
         return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param, adapter=adapter), setup
 

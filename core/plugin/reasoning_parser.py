@@ -19,12 +19,18 @@ into pieces (``ember.testing.check_reasoning_parser`` checks them):
 :class:`ThinkTagReasoningParser` implements this for a start and an end tag; both
 built-in parsers are it with their tags and their answer to "what if the text does not
 open with the start tag".
+
+A grammar (a ``response_format`` schema, a forced tool call) constrains the answer, not
+the reasoning: `grammar_span` (optional, plugin API 1.4) tells the engine where the
+reasoning ends, and the engine leaves the output free until then (docs/grammar.md).
 """
 
 from __future__ import annotations
 
 import abc
 from typing import ClassVar, NamedTuple
+
+from ember.sampling_params import ReasoningSpan
 
 
 class ReasoningDelta(NamedTuple):
@@ -43,6 +49,14 @@ class BaseReasoningParser(abc.ABC):
         """Whether a model with this chat template writes this syntax (optional: used to
         warn when the chosen parser does not fit the model)."""
         return False
+
+    @classmethod
+    def grammar_span(cls) -> ReasoningSpan | None:
+        """Where the reasoning sits, so that a constraint applies only to the answer after
+        it (the engine follows the generated tokens: free until the end tag, the grammar
+        from the next token). None (the default): the answer is constrained from its
+        first token, reasoning included, as before plugin API 1.4."""
+        return None
 
     @abc.abstractmethod
     def feed(self, text: str) -> ReasoningDelta:
@@ -79,6 +93,10 @@ class ThinkTagReasoningParser(BaseReasoningParser):
     or reasoning until `end_tag` (True: templates that put the start tag in the prompt)."""
 
     starts_in_reasoning: ClassVar[bool] = False
+
+    @classmethod
+    def grammar_span(cls) -> ReasoningSpan:
+        return ReasoningSpan(cls.start_tag, cls.end_tag, cls.starts_in_reasoning)
 
     def __init__(self) -> None:
         self._mode = "start"  # "start" (the opening not yet known), "reasoning", "content"

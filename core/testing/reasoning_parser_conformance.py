@@ -9,7 +9,9 @@ alone, a reasoning cut before its end tag, tags and look-alikes such as ``<thin`
 1 to 7 characters and in random pieces: the reasoning and the content must be the same
 whatever the split, and nothing may be lost or repeated (the two together are the text
 less the tags). An answer without tags is passed through whole: as content, or (for a
-syntax whose answers start inside the reasoning) as reasoning.
+syntax whose answers start inside the reasoning) as reasoning. `grammar_span` (optional)
+is None or a `ReasoningSpan` that agrees with the parser: a text it spans as reasoning
+then answer is read so.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import random
 
 from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
+from ember.sampling_params import ReasoningSpan
 
 REASONING = ["Let me think. 2 + 2 = 4, <b>bold</b> and a < sign", "", "\n", "line one\nline two </thin"]
 ANSWERS = ["The answer is 4.", "", " <thi not a tag", "\n\nDone </b>"]
@@ -49,11 +52,31 @@ def _check_splits(parser_cls: type[BaseReasoningParser], text: str, rng: random.
     return whole
 
 
+def _check_span(parser_cls: type[BaseReasoningParser]) -> None:
+    """The span a grammar waits for: the reasoning before its end tag, the answer after."""
+    span = parser_cls.grammar_span()
+    if span is None:
+        return
+    assert isinstance(span, ReasoningSpan), f"{parser_cls.name}: grammar_span returns None or a ReasoningSpan"
+    opening = "" if span.starts_inside else span.start_tag
+    text = f"{opening}thinking{span.end_tag}{{\"answer\": 1}}"
+    reasoning, content = parser_cls().extract(text)
+    assert (reasoning, content) == ("thinking", '{"answer": 1}'), (
+        f"{parser_cls.name}: its grammar_span {span} says {text!r} is reasoning then an answer; "
+        f"the parser reads reasoning {reasoning!r}, content {content!r}"
+    )
+    if not span.starts_inside:
+        assert parser_cls().extract('{"answer": 1}') == (None, '{"answer": 1}'), (
+            f"{parser_cls.name}: its grammar_span says an answer without {span.start_tag!r} has no reasoning"
+        )
+
+
 def check_reasoning_parser(parser_cls: type[BaseReasoningParser], seed: int = 0) -> None:
     assert isinstance(parser_cls.name, str) and parser_cls.name, "a parser needs a non-empty `name`"
     start, end = parser_cls.start_tag, parser_cls.end_tag
     assert start and end, f"{parser_cls.name}: start_tag and end_tag must be non-empty"
     assert isinstance(parser_cls.matches_template(""), bool), f"{parser_cls.name}: matches_template returns a bool"
+    _check_span(parser_cls)
     rng = random.Random(seed)
     for thought in REASONING:
         for answer in ANSWERS:
