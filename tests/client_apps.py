@@ -54,8 +54,9 @@ def run_ai_sdk(folder: Path, url: str, model: str, api_key: str = "none") -> dic
 
 
 def langchain_calls(url: str, model: str, api_key: str = "none") -> dict[str, Any]:
-    """ChatOpenAI: invoke, stream, bind_tools with a named tool, with_structured_output."""
-    from langchain_openai import ChatOpenAI
+    """ChatOpenAI: invoke, stream, bind_tools with a named tool, with_structured_output, the
+    Responses API (``use_responses_api=True``); OpenAIEmbeddings."""
+    from langchain_openai import ChatOpenAI, OpenAIEmbeddings
     from pydantic import BaseModel, Field
 
     class City(BaseModel):
@@ -70,16 +71,24 @@ def langchain_calls(url: str, model: str, api_key: str = "none") -> dict[str, An
     longer = ChatOpenAI(base_url=f"{url}/v1", api_key=api_key, model=model, temperature=0, max_tokens=120, max_retries=0)
     called = longer.bind_tools([tool], tool_choice="get_weather").invoke("Weather in Paris?")
     structured = longer.with_structured_output(City, method="json_schema").invoke("A city.")
+    responses = ChatOpenAI(base_url=f"{url}/v1", api_key=api_key, model=model, temperature=0, max_tokens=12,
+                           max_retries=0, use_responses_api=True)
+    embedder = OpenAIEmbeddings(base_url=f"{url}/v1", api_key=api_key, model=model, check_embedding_ctx_length=False,
+                                max_retries=0)
     return {
         "invoke": invoked.content, "finish_reason": invoked.response_metadata.get("finish_reason"),
         "usage": invoked.usage_metadata, "stream": "".join(chunk.content for chunk in streamed),
         "tool_calls": called.tool_calls, "structured": structured,
+        "responses": responses.invoke("Name a colour.").text,
+        "responses_stream": "".join(chunk.text for chunk in responses.stream("Name a colour.")),
+        "documents": embedder.embed_documents(["sunny weather", "a bright sunny day", "tax law"]),
+        "query": embedder.embed_query("sunny weather"),
     }
 
 
 def litellm_calls(url: str, model: str, api_key: str = "none") -> dict[str, Any]:
     """LiteLLM's completion() with Ember as an OpenAI-compatible provider (``openai/NAME``
-    and ``api_base``): plain, streamed, and a forced tool call."""
+    and ``api_base``): plain, streamed, and a forced tool call; embedding()."""
     import litellm
 
     common = dict(model=f"openai/{model}", api_base=f"{url}/v1", api_key=api_key, temperature=0, num_retries=0)
@@ -91,6 +100,9 @@ def litellm_calls(url: str, model: str, api_key: str = "none") -> dict[str, Any]
     called = litellm.completion(messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=120,
                                 tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                 **common)
+    embedded = litellm.embedding(model=f"openai/{model}", api_base=f"{url}/v1", api_key=api_key,
+                                 input=["sunny weather", "tax law"])
     return {"text": plain.choices[0].message.content, "finish_reason": plain.choices[0].finish_reason,
             "usage": plain.usage, "stream": streamed, "tool_calls": called.choices[0].message.tool_calls,
-            "tool_finish_reason": called.choices[0].finish_reason}
+            "tool_finish_reason": called.choices[0].finish_reason,
+            "embeddings": [item["embedding"] for item in embedded.data]}

@@ -1,9 +1,9 @@
 // The Vercel AI SDK (`ai` + `@ai-sdk/openai-compatible`) against `ember serve`, as a
-// JavaScript app would call it: generateText, streamText, generateObject with a schema and
-// a forced tool call. Prints one JSON object of what came back; tests/test_clients.py checks it.
+// JavaScript app would call it: generateText, streamText, generateObject with a schema, a
+// forced tool call, embed and embedMany. Prints one JSON object of what came back; tests/test_clients.py checks it.
 // Usage: EMBER_URL=http://127.0.0.1:PORT EMBER_MODEL=NAME node ai_sdk.mjs
 import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
-import { generateObject, generateText, streamText, tool } from "ai";
+import { embed, embedMany, generateObject, generateText, streamText, tool } from "ai";
 import { z } from "zod";
 
 const provider = createOpenAICompatible({
@@ -49,5 +49,10 @@ result.toolCall = {
   calls: called.toolCalls.map((call) => ({ toolName: call.toolName, input: call.input, toolCallId: call.toolCallId })),
   finishReason: called.finishReason,
 };
+
+const embedder = provider.embeddingModel(process.env.EMBER_MODEL);
+const one = await embed({ model: embedder, value: "sunny weather" });
+const many = await embedMany({ model: embedder, values: ["sunny weather", "a bright sunny day", "tax law"] });
+result.embeddings = { one: one.embedding, many: many.embeddings, tokens: many.usage?.tokens };
 
 console.log(JSON.stringify(result));
