@@ -163,6 +163,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 30) [EMBER_REQUEST_BODY_TIMEOUT]",
     )
     production.add_argument(
+        "--root-path", metavar="PREFIX", default=None,
+        help="the path prefix a reverse proxy serves Ember under, e.g. /ember (requests may keep or strip it; "
+        "the playground's links follow it) [EMBER_ROOT_PATH]",
+    )
+    production.add_argument(
         "--responses-store-size", metavar="N", type=int, default=None,
         help="responses /v1/responses keeps for GET and previous_response_id, oldest out first; 0 stores none "
         "(default 256) [EMBER_RESPONSES_STORE_SIZE]",

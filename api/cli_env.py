@@ -165,6 +165,7 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "otlp_service_name": EnvOption("EMBER_OTLP_SERVICE_NAME", str),
     "graceful_termination_timeout": EnvOption("EMBER_GRACEFUL_TERMINATION_TIMEOUT", float),
     "request_body_timeout": EnvOption("EMBER_REQUEST_BODY_TIMEOUT", float),
+    "root_path": EnvOption("EMBER_ROOT_PATH", str),
     "responses_store_size": EnvOption("EMBER_RESPONSES_STORE_SIZE", int),
     "responses_store_ttl": EnvOption("EMBER_RESPONSES_STORE_TTL", float),
     "speculate": EnvOption("EMBER_SPECULATE", int),
@@ -237,6 +238,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "graceful_termination_timeout": 30.0,
     "chat_url": None,  # `ember chat`: None loads the model in-process
     "request_body_timeout": 30.0,
+    "root_path": "",
     "responses_store_size": 256,
     "responses_store_ttl": 3600.0,
     "speculate": None,

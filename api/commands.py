@@ -110,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         otlp_service_name=args.otlp_service_name,
         graceful_termination_timeout=args.graceful_termination_timeout,
         request_body_timeout=args.request_body_timeout,
+        root_path=args.root_path,
         responses_store_size=args.responses_store_size,
         responses_store_ttl=args.responses_store_ttl,
         speculative_config=_speculative_config(args),

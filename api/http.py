@@ -56,7 +56,8 @@ MAX_INT_DIGITS = 40  # no field takes more than a 64-bit integer (20 digits); a 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/info", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/info", "/openapi.json", "/docs", "/", "/ui"})
+OPEN_PREFIXES = ("/ui/",)  # the playground's static files (its API calls carry the key)
 REQUEST_ID_HEADER = b"x-request-id"
 TRACE_ID_HEADER = b"x-trace-id"
 # visible ASCII, no spaces: safe to echo in a header and to write in a log line
@@ -228,6 +229,16 @@ def flavor_of(path: str) -> Flavor:
     return Flavor.OPENAI if path.startswith("/v1/") or path == "/rerank" else Flavor.TGI  # /rerank: vLLM's, OpenAI errors
 
 
+def route_path(scope: Scope) -> str:
+    """The path below the app's ``root_path`` (`--root-path`, or a parent app's mount), as
+    Starlette routes it: a reverse proxy may forward the prefix or strip it."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     """The first value of a header (names are lower-case in ASGI)."""
     for key, value in scope["headers"]:
@@ -248,8 +259,10 @@ class RequestMiddleware:
         known_paths: frozenset[str],
         payload_limit: int = 2_000_000,
         body_timeout_s: float = 30.0,
+        root_path: str = "",
     ) -> None:
         self.app = app
+        self.root_path = root_path
         self.metrics = metrics
         self.tracing = tracing
         self.lifecycle = lifecycle
@@ -262,7 +275,9 @@ class RequestMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
+        if self.root_path and not scope.get("root_path"):
+            scope = {**scope, "root_path": self.root_path}  # --root-path: the routes see paths below it
+        path = route_path(scope)
         refusal: APIError | None = None
         request_id = uuid.uuid4().hex
         given = _header(scope, REQUEST_ID_HEADER)
@@ -274,7 +289,7 @@ class RequestMiddleware:
                 refusal = APIError(400, "x-request-id must be 1 to 128 visible ASCII characters without spaces",
                                    "bad_request", "x-request-id")
         ctx = RequestContext(request_id, path if path in self.known_paths else "other", scope["method"])
-        is_api = path not in OPEN_PATHS
+        is_api = path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES)
         token = activate(ctx)
         span = None
         is_counted = False

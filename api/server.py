@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ember.api.errors import APIError, Flavor, error_response
-from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware, flavor_of
+from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware, flavor_of, route_path
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
 from ember.api.pooling import create_score_template
@@ -36,6 +36,7 @@ from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.openai_completions import CompletionRoutes
 from ember.api.routes.openai_embeddings import EmbeddingRoutes
 from ember.api.routes.openai_responses import ResponsesRoutes
+from ember.api.routes.playground import PlaygroundRoutes
 from ember.api.routes.rerank import RerankRoutes
 from ember.api.routes.tgi import TGIRoutes
 from ember.api.service import GenerationService, Lifecycle, ServedModel
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 def _flavor(request: Request) -> Flavor:
-    return flavor_of(request.url.path)
+    return flavor_of(route_path(request.scope))
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
@@ -107,6 +108,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     routes += LoRARoutes(service, settings.enable_lora_runtime_updates).routes()
     score_template = create_score_template(settings.score_template, settings.score_tokens, engine.encode)
     routes += EmbeddingRoutes(service).routes() + RerankRoutes(service, score_template).routes()
+    routes += PlaygroundRoutes().routes()  # `/` and `/ui`: the web playground (docs/playground.md)
     routes += plugin_routes(service, {route.path for route in routes})
     from ember.api.openapi import OpenAPIRoutes
 
@@ -133,7 +135,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     middleware.append(Middleware(
         RequestMiddleware, metrics=metrics, tracing=tracing, lifecycle=lifecycle, api_key=settings.api_key,
         known_paths=frozenset(route.path for route in routes), payload_limit=settings.payload_limit,
-        body_timeout_s=settings.request_body_timeout,
+        body_timeout_s=settings.request_body_timeout, root_path=settings.root_path,
     ))
     app = Starlette(
         routes=routes,

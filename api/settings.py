@@ -42,6 +42,7 @@ def _round_up_size(num_bytes: int) -> int:
 
 
 ORIGIN_PATTERN = re.compile(r"https?://[^\s/]+")
+ROOT_PATH_PATTERN = re.compile(r"(/[A-Za-z0-9._~!$&'()*+,;=:@%-]+)+")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class ServerSettings:
     # Seconds a client gets to send a request's whole body once its headers arrived
     # (slow or stalled uploads are answered 408 and do not count as in flight).
     request_body_timeout: float = 30.0
+    # --root-path PREFIX: the path prefix a reverse proxy serves Ember under ("" none); requests
+    # may arrive with it or stripped, and the playground's links and API calls follow it
+    root_path: str = ""
     # the Responses API's stored responses (docs/api.md): at most this many (0: store none), each this many seconds
     responses_store_size: int = 256
     responses_store_ttl: float = 3600.0
@@ -211,6 +215,9 @@ class ServerSettings:
         timeout = self.request_body_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"--request-body-timeout must be a number of seconds > 0, got {timeout!r}")
+        if self.root_path and not ROOT_PATH_PATTERN.fullmatch(self.root_path):
+            raise ValueError(f"--root-path must be a URL path such as /ember (a leading /, no trailing /, "
+                             f"no spaces, query or fragment), got {self.root_path[:100]!r}")
         size, ttl = self.responses_store_size, self.responses_store_ttl
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"--responses-store-size must be an integer >= 0 (0: store none), got {size!r}")

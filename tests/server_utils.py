@@ -6,14 +6,15 @@
 Keyword arguments are `ServerSettings` fields; `engine` overrides `EngineConfig`
 fields (default: float32, 128 KV blocks of 8 tokens; the core in a thread unless
 ``engine_mode="process"``); `tracer_provider` goes to
-`create_app`. The server is yielded once ready (its warm-up request has run).
+`create_app`; `wrap` serves ``wrap(app)`` instead of the app. The server is yielded
+once ready (its warm-up request has run).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,7 +41,8 @@ class RunningServer(NamedTuple):
 
 @contextmanager
 def running_server(
-    model_dir: Path | str, engine: dict[str, Any] | None = None, tracer_provider: Any = None, **settings: Any
+    model_dir: Path | str, engine: dict[str, Any] | None = None, tracer_provider: Any = None,
+    wrap: Callable[[Starlette], Any] | None = None, **settings: Any,
 ) -> Iterator[RunningServer]:
     import uvicorn
 
@@ -58,7 +60,8 @@ def running_server(
     else:
         async_engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs)))
     app = create_app(async_engine, ServerSettings(**{"model_id": str(model_dir), **settings}), tracer_provider)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    served = app if wrap is None else wrap(app)  # e.g. Ember mounted in a parent app (its lifespan passed on)
+    server = uvicorn.Server(uvicorn.Config(served, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, name="ember-test-server", daemon=True)
     thread.start()
     try:
