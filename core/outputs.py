@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+import torch
 
 from ember.logprobs import Logprob
 
@@ -87,9 +88,9 @@ class RequestOutput:
     candidates: list[CompletionOutput] | None = None
     # the request's timings as of this output (a copy: the engine keeps updating its own)
     metrics: RequestMetrics | None = None
-    # a pooling request's vector (SamplingParams.pooling; a float32 CPU tensor), on its final
+    # a pooling request's vector (SamplingParams.pooling; float32 values), on its final
     # output; None for a generating request
-    pooled: Any = None
+    pooled: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -100,11 +101,12 @@ class PoolingOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    data: Any  # torch.Tensor, float32 (dimensions,) on the CPU
+    embedding: list[float]  # float32 values
 
     @property
-    def embedding(self) -> list[float]:
-        return self.data.tolist()
+    def data(self) -> torch.Tensor:
+        """The vector as a float32 tensor ``(dimensions,)``."""
+        return torch.tensor(self.embedding, dtype=torch.float32)
 
     @classmethod
     def from_request_output(cls, output: RequestOutput) -> PoolingOutput:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 
-import torch
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,10 +24,10 @@ from ember.api.service import GenerationService
 from ember.pooling_params import PoolingParams
 
 
-def encode_vector(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
-        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # the float32 values' little-endian bytes (what the openai SDK decodes)
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
 
 
 def check_base_model(service: GenerationService, model: str | None) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import torch
 from starlette.requests import Request
 
 from ember.api.errors import APIError, validation_error
@@ -78,7 +77,7 @@ def check_dimensions(service: GenerationService, dimensions: int | None) -> None
 
 async def run_pooled(
     service: GenerationService, request: Request, jobs: list[PoolingJob], pooling: PoolingParams,
-) -> list[torch.Tensor] | None:
+) -> list[list[float]] | None:
     """Every job's vector, in order (all queued at once: the engine batches them); None if
     the client left (its requests are then aborted). One --max-concurrent-requests slot per job."""
     params = SamplingParams.for_pooling(pooling)
@@ -90,7 +89,7 @@ async def run_pooled(
             service.acquire()
             taken += 1
 
-        async def one(job: PoolingJob) -> torch.Tensor:
+        async def one(job: PoolingJob) -> list[float]:
             last = None
             async for last in service.generate(None, job.prompt_ids, params):
                 pass

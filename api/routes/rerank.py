@@ -105,7 +105,7 @@ class RerankRoutes:
             if logits is None:
                 return None
             # P(yes) / (P(yes) + P(no)): a softmax over the two logits
-            scores = [float(torch.softmax(pair.float(), dim=0)[0]) for pair in logits]
+            scores = [float(torch.softmax(torch.tensor(pair), dim=0)[0]) for pair in logits]
             return scores, sum(len(job.prompt_ids) for job in jobs)
         distinct = list(dict.fromkeys(queries))  # the query once, not once per document
         query_jobs = await self.service.run_blocking(tokenize_inputs, self.service, distinct, query_param,
@@ -120,8 +120,9 @@ class RerankRoutes:
         vectors = await run_pooled(self.service, request, jobs, PoolingParams(normalize=True))
         if vectors is None:
             return None
-        by_query = dict(zip(distinct, vectors[: len(distinct)]))
-        scores = [float(torch.dot(by_query[q], d)) for q, d in zip(queries, vectors[len(distinct):])]
+        matrix = torch.tensor(vectors)  # normalised rows: a dot product is the cosine
+        by_query = dict(zip(distinct, matrix[: len(distinct)]))
+        scores = [float(by_query[q] @ d) for q, d in zip(queries, matrix[len(distinct):])]
         return scores, sum(len(job.prompt_ids) for job in jobs)
 
     def routes(self) -> list[Route]:

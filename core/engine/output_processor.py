@@ -28,7 +28,6 @@ from ember.sampling_params import SamplingParams
 from ember.sched.step import StepStats
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
 
@@ -103,8 +102,8 @@ class EngineCoreOutput:
     metrics: RequestMetrics | None = None
     # with finish reason "error": what went wrong for this request alone (its grammar)
     error: str | None = None
-    # a pooling request's vector (float32, CPU), on its final output (ember.worker.pooler)
-    pooled: torch.Tensor | None = None
+    # a pooling request's vector (float32 values), on its final output (ember.worker.pooler)
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -111,8 +111,8 @@ class ModelRunnerOutput:
     # how many of the request's draft tokens were accepted (0 without drafts)
     num_accepted: list[int] | None = None
     # pooling requests (SamplingParams.pooling) whose prompt this step completed: their
-    # vector, float32 on the CPU (ember.worker.pooler); None when the step completed none
-    pooled: dict[str, torch.Tensor] | None = None
+    # vector (float32 values as Python floats, ember.worker.pooler); None when the step completed none
+    pooled: dict[str, list[float]] | None = None
 
 
 @dataclass(slots=True)

@@ -15,7 +15,9 @@ token, hands back its vector:
 * ``logits``: the LM head at the last prompt token, only the requested token ids.
 
 Then ``dimensions`` keeps the first components, and ``normalize`` divides by the L2
-norm (in that order: a truncated Matryoshka embedding is normalised again).
+norm (in that order: a truncated Matryoshka embedding is normalised again). The vector
+leaves as a list of Python floats (float32 values, exactly): a plain value that pickles
+by value when the engine core runs in its own process.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ class Pooler:
         self._sums.pop(request_id, None)
         self._first.pop(request_id, None)
 
-    def pool(self, model, hidden: torch.Tensor, requests, query_lens: list[int]) -> dict[str, torch.Tensor] | None:
+    def pool(self, model, hidden: torch.Tensor, requests, query_lens: list[int]) -> dict[str, list[float]] | None:
         """Advance the pooling requests among ``requests`` (each with ``query_lens[i]``
         rows of ``hidden``, ``(num_tokens, hidden_size)``, from its ``num_computed_tokens``)
         and return the vectors of those whose prompt this step completed (None: none did)."""
-        done: dict[str, torch.Tensor] = {}
+        done: dict[str, list[float]] = {}
         first = 0
         for request, num_rows in zip(requests, query_lens):
             params = request.params.pooling if request.request_id in self.active else None
@@ -59,7 +61,7 @@ class Pooler:
             first += num_rows
         return done or None
 
-    def _advance(self, model, request, params: PoolingParams, rows: torch.Tensor) -> torch.Tensor | None:
+    def _advance(self, model, request, params: PoolingParams, rows: torch.Tensor) -> list[float] | None:
         rid, start, kind = request.request_id, request.num_computed_tokens, params.pooling_type
         if kind == "mean":
             total = rows.float().sum(dim=0)
@@ -76,11 +78,11 @@ class Pooler:
             vector = self._first.pop(rid)
         elif kind == "logits":
             logits = model.compute_logits(rows[-1:])[0]
-            return logits[torch.tensor(params.logit_token_ids, device=logits.device)].float().cpu()
+            return logits[torch.tensor(params.logit_token_ids, device=logits.device)].float().cpu().tolist()
         else:
             vector = rows[-1].float()
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         if params.normalize:
             vector = F.normalize(vector, p=2.0, dim=0)
-        return vector.cpu().clone()
+        return vector.cpu().tolist()
