@@ -140,6 +140,8 @@ class SamplingParams:
         if not isinstance(words, (list, tuple)) or any(not isinstance(w, (list, tuple)) for w in words):
             raise ValueError(f"bad_words_token_ids must be a list of token-id lists, got {words!r}")
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
+        if isinstance(self.pooling, PoolingParams):  # generates nothing: no token budget (nor drafts) to spend
+            object.__setattr__(self, "max_tokens", 1)
         self.validate()
 
     def validate(self) -> None:

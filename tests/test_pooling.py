@@ -326,3 +326,9 @@ def test_a_preempted_pooling_request_recomputes_its_mean_from_the_start(tmp_path
     assert engine.scheduler.num_preemptions > 0
     assert len(finished[generating].outputs[0].token_ids) == 36
     assert_close(torch.tensor(finished[pooling].pooled), reference(hf, llm.get_tokenizer().encode(LONG), "mean"))
+
+
+def test_a_pooling_request_has_no_token_budget():
+    """max_tokens does not apply to a request that generates nothing (so no speculator drafts for it either)."""
+    assert SamplingParams(max_tokens=50, pooling=PoolingParams()).max_tokens == 1
+    assert SamplingParams.for_pooling().max_tokens == 1
