@@ -23,6 +23,7 @@ from ember.plugin.grammar import GrammarContext
 from ember.plugin.logits_processor import BaseLogitsProcessor
 from ember.plugins.grammar import token_distance
 from ember.plugins.grammar.outlines_backend import OutlinesBackend, OutlinesGrammar, OutlinesMatcher
+from ember.plugins.grammar.xgrammar_backend import XGrammarBackend
 from ember.sampling_params import ReasoningSpan
 from ember.testing import check_grammar_backend
 
@@ -308,3 +309,18 @@ def test_the_engine_constrains_the_answer_after_the_reasoning(scripted_llm, span
     reasoning, content = parser().extract(completion.text)
     assert re.fullmatch(regex, content), completion.text
     assert reasoning == (script.removeprefix("<think>").removesuffix("</think>") if "</think>" in script else None)
+
+
+# -- xgrammar ------------------------------------------------------------------------------
+@pytest.mark.parametrize("data, accepted", [
+    (b'"\xe0\x99\xad', False),  # an overlong encoding (SmolLM2 wrote one under a maxLength)
+    (b'"\xc0\xaf', False),
+    (b'"\xed\xa0\x80', False),  # a surrogate
+    ('"é€😀"'.encode(), True),  # three characters, 2, 3 and 4 bytes long
+    (b'"abcd', False),  # maxLength counts characters
+])
+def test_xgrammar_bounded_strings_are_utf8_counted_in_characters(context, data, accepted):
+    schema = Constraint.json_schema({"type": "string", "maxLength": 3})
+    matcher = XGrammarBackend(context).compile(schema).create_matcher()
+    ids = [context.token_bytes.index(bytes([b])) for b in data]
+    assert (matcher.accept_tokens(ids) == len(ids)) is accepted

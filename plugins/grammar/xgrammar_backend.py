@@ -60,15 +60,22 @@ def _integer_multiple_of(node: dict[str, Any], where: str, backend: str) -> None
         raise UnsupportedFeatureError(backend, f"'multipleOf' outside an integer schema (at {where})")
 
 
+# One character JSON needs no escape for, as xgrammar must match it: a class per UTF-8
+# length. In one class (``[^"\\]`` or ``[\u0080-\uffff]``) xgrammar 0.2.9 reads a lead
+# byte's payload without checking its continuation: it admits overlong encodings such as
+# b"\xe0\x99\xad", which are not UTF-8 (SmolLM2 wrote them under a maxLength).
+UNESCAPED_CHAR = r'([ !#-\[\]-~]|[\u0080-\u07ff]|[\u0800-\ud7ff]|[\ue000-\uffff]|[\u{10000}-\u{10ffff}])'
+
+
 def _bounded_string_pattern(node: dict[str, Any]) -> dict[str, Any]:
     """xgrammar 0.2.9 writes a string with ``minLength``/``maxLength`` over a character
     class that admits raw control characters and no escapes (invalid JSON): give it the
-    same bounds as a pattern over the characters JSON needs no escape for."""
+    same bounds as a pattern over the characters JSON needs no escape for, counted in
+    characters (`UNESCAPED_CHAR`), each valid UTF-8."""
     if node.get("type") != "string" or not ("minLength" in node or "maxLength" in node):
         return node
     low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-    # (\x01: xgrammar refuses a NUL in a regex, and never matches one)
-    node["pattern"] = rf'^[^"\\\x01-\x1f]{{{low},{high}}}$'
+    node["pattern"] = f"^{UNESCAPED_CHAR}{{{low},{high}}}$"
     return node
 
 
