@@ -11,6 +11,7 @@ docs' screenshot (docs/img/playground.png) from the same setup.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -37,6 +38,13 @@ CHROME_FLAGS = (
     "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1280,860",
 )
 WAIT_S = 30
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+                   "famous_for": {"type": "string", "maxLength": 40}},
+    "required": ["city", "country", "famous_for"],
+    "additionalProperties": False,
+}
 
 
 def _skip_or_fail(reason: str) -> None:
@@ -141,27 +149,33 @@ def test_root_path_flag_and_variable(monkeypatch):
 # -- the page in Chromium -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
+    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
         _skip_or_fail("Debian's chromium and chromium-driver are not installed "
                       "(apt-get install chromium chromium-driver)")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         _skip_or_fail("selenium is not installed (it is in the test extras)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in CHROME_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
-    driver.set_script_timeout(WAIT_S)
+    driver = create_browser(tmp_path_factory.mktemp("chromium-profile"))
     try:
         yield driver
     finally:
         driver.quit()
+
+
+def create_browser(profile_dir: Path):
+    """Debian's headless Chromium under Selenium, with the flags this closed network needs
+    (without the background-networking ones its connections are refused) and a fresh profile."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in CHROME_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile_dir}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=shutil.which("chromedriver")))
+    driver.set_script_timeout(WAIT_S)
+    return driver
 
 
 def wait_for(driver, condition, message: str):
@@ -427,24 +441,33 @@ def test_mounted_under_a_parent_app(tiny_llama_dir, browser):
 
 
 def test_screenshot(server, browser, tmp_path):
-    """The docs' picture, made by this setup: a short chat with logprobs and a JSON answer."""
+    """The docs' picture, made as docs/tools/playground_screenshot.py makes it (with SmolLM2)."""
     browser.get_log("browser")  # what earlier tests left (their refused requests)
-    open_page(browser, server.url + "/")
-    set_field(browser, "system", "You are a helpful assistant.")
-    set_field(browser, "max_tokens", "40")
-    set_field(browser, "seed", "7")
-    send(browser, "Tell me about Paris.")
-    last_turn(browser)
-    set_field(browser, "mode", "json")
-    set_field(browser, "logprobs", True)
-    send(browser, "Now as JSON, please.")
-    turn = last_turn(browser)
-    from selenium.webdriver.common.action_chains import ActionChains
-
-    ActionChains(browser).move_to_element(turn.find_elements("css selector", ".tok")[2]).perform()
     target = Path(os.environ.get("EMBER_PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    assert browser.save_screenshot(str(target))
+    take_screenshot(browser, server.url + "/", target)
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and target.stat().st_size > 20_000
     console = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not console, console  # no script error, no refused resource (CSP) during the whole session
+
+
+def take_screenshot(driver, url: str, target: Path) -> None:
+    """A short chat, then a JSON answer with logprobs, one token's tooltip open."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    open_page(driver, url)
+    set_field(driver, "system", "You are a helpful assistant.")
+    set_field(driver, "max_tokens", "60")
+    set_field(driver, "temperature", "0")
+    send(driver, "What is the capital of France? Answer in one sentence.")
+    last_turn(driver)
+    set_field(driver, "mode", "json")
+    set_field(driver, "schema", json.dumps(CITY_SCHEMA, indent=2))
+    set_field(driver, "logprobs", True)
+    send(driver, "Describe that city as JSON.")
+    turn = last_turn(driver)
+    tokens = turn.find_elements("css selector", ".tok")
+    ActionChains(driver).move_to_element(tokens[min(6, len(tokens) - 1)]).perform()
+    wait_for(driver, lambda d: by_css(d, "#tooltip")[0].is_displayed(), "no tooltip on hover")
+    wait_for(driver, lambda d: by_css(d, "#stat-kv")[0].text.endswith("%"), "no KV-cache use from /metrics")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(target))
