@@ -5,6 +5,7 @@ first line as summary, so the document names every route the server answers."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,43 +42,88 @@ def documented(**kwargs: Any) -> Callable:
     return mark
 
 
-def _schema_ref(model: type[BaseModel], components: dict) -> dict:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    for name, definition in schema.pop("$defs", {}).items():
-        components[name] = definition
-    components[model.__name__] = schema
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
+# Each server-sent event (OpenAPI 3.2's `itemSchema` of a sequential media type): its
+# `data` line is the JSON of one chunk, `event` names it where the API does (Anthropic, Responses).
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}},
+             "required": ["data"]}
+
+
+def _route_docs(routes: list[Route]) -> list[tuple[Route, RouteDoc]]:
+    return [(route, getattr(route.endpoint, "__openapi__", None) or _undocumented(route)) for route in routes]
+
+
+def _components(docs: list[tuple[Route, RouteDoc]]) -> tuple[dict, dict]:
+    """Every model's JSON schema in one namespace: pydantic names each once and qualifies
+    names that two models share (the OpenAI, Anthropic and TGI ``Usage``, ``ErrorResponse``,
+    ...), so no route's reference lands on another API's model. (refs by (model, mode),
+    the components)."""
+    from pydantic.json_schema import models_json_schema
+
+    wanted: dict[tuple[type[BaseModel], str], None] = {}
+    for _, doc in docs:
+        if doc.request is not None:
+            wanted[(doc.request, "validation")] = None
+        for model in (doc.response, doc.error_model):
+            if model is not None:
+                wanted[(model, "serialization")] = None
+    if not wanted:
+        return {}, {}
+    refs, schema = models_json_schema(list(wanted), ref_template="#/components/schemas/{model}")
+    names = {name: _readable(name) for name in schema.get("$defs", {})}
+    text = json.dumps([{f"{model.__module__}.{model.__qualname__}|{mode}": ref for (model, mode), ref in refs.items()},
+                       schema.get("$defs", {})])
+    for name, readable in names.items():
+        text = text.replace(f'"#/components/schemas/{name}"', f'"#/components/schemas/{readable}"')
+    by_key, defs = json.loads(text)
+    refs = {key: by_key[f"{key[0].__module__}.{key[0].__qualname__}|{key[1]}"] for key in refs}
+    return refs, {names[name]: definition for name, definition in defs.items()}
+
+
+def _readable(name: str) -> str:
+    """pydantic's name for a model whose name another shares, ``ember__api__schemas__anthropic__Usage``,
+    as the API's prefix and the name: ``AnthropicUsage``; other names stay."""
+    if "__" not in name:
+        return name
+    *module, model = name.split("__")
+    api = module[-1] if module else ""
+    return API_PREFIXES.get(api, api.title().replace("_", "")) + model
+
+
+API_PREFIXES = {"openai": "OpenAI", "anthropic": "Anthropic", "tgi": "TGI"}
 
 
 def build_openapi(routes: list[Route], version: str) -> dict:
-    components: dict[str, Any] = {}
+    docs = _route_docs(routes)
+    refs, components = _components(docs)
     paths: dict[str, Any] = {}
-    for route in routes:
-        doc: RouteDoc = getattr(route.endpoint, "__openapi__", None) or _undocumented(route)
+    for route, doc in docs:
         for method in sorted(m for m in (route.methods or ()) if m != "HEAD"):
             op: dict[str, Any] = {"summary": doc.summary, "tags": [doc.tag], "responses": {}}
             if doc.request is not None:
                 op["requestBody"] = {
                     "required": True,
-                    "content": {"application/json": {"schema": _schema_ref(doc.request, components)}},
+                    "content": {"application/json": {"schema": refs[(doc.request, "validation")]}},
                 }
             ok: dict[str, Any] = {"description": "success"}
             content: dict[str, Any] = {}
             if doc.response is not None:
-                ref = _schema_ref(doc.response, components)
+                ref = refs[(doc.response, "serialization")]
                 content["application/json"] = {"schema": {"type": "array", "items": ref} if doc.response_is_list else ref}
             if doc.streams:
-                content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events"}}
+                content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events"},
+                                                "itemSchema": SSE_EVENT}
             if doc.text_media_type is not None:
                 content[doc.text_media_type] = {"schema": {"type": "string"}}
             if content:
                 ok["content"] = content
             op["responses"]["200"] = ok
-            if doc.request is not None:
-                for status in doc.errors:
+            if doc.request is not None or "{" in route.path:  # a body to refuse, or a path naming what may not exist
+                statuses = sorted({*doc.errors, *((404,) if "{" in route.path else ())})
+                for status in statuses:
                     error = {"description": _ERROR_TEXT.get(status, "error")}
                     if doc.error_model is not None:
-                        error["content"] = {"application/json": {"schema": _schema_ref(doc.error_model, components)}}
+                        error["content"] = {"application/json": {"schema": refs[(doc.error_model, "serialization")]}}
                     op["responses"][str(status)] = error
             paths.setdefault(route.path, {})[method.lower()] = op
     return {
@@ -96,7 +142,8 @@ def _undocumented(route: Route) -> RouteDoc:
 _ERROR_TEXT = {
     400: "malformed JSON (or not strict JSON: NaN, infinite numbers, too deep) or body not UTF-8",
     401: "missing or wrong API key (with --api-key)",
-    404: "a model or LoRA adapter name that is not served (the message lists those that are), or a route that is off",
+    404: "a model or LoRA adapter name that is not served (the message lists those that are), a route that is off, "
+         "or (a path with a parameter) nothing of that name",
     408: "the body did not arrive within --request-body-timeout",
     413: "body larger than --payload-limit",
     415: "Content-Type is not application/json",

@@ -158,4 +158,4 @@ def test_the_routes_are_in_the_openapi_document(server):
                          ("/rerank", "RerankRequest"), ("/v1/score", "ScoreRequest")):
         op = spec["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(schema)
-        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIErrorResponse")

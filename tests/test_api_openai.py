@@ -407,7 +407,7 @@ def test_openapi_documents_the_routes(http):
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = spec["paths"][path]["post"]
         assert "text/event-stream" in op["responses"]["200"]["content"]
-        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert op["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIErrorResponse")
     assert "CompletionRequest" in spec["components"]["schemas"]
 
 
