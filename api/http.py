@@ -9,7 +9,8 @@ client that sends headers and then stalls gets 408 when the body timeout ends, h
 nothing meanwhile, and a drain ends its wait at once with a 503. A client that
 disconnects during its upload is not a server error: it is counted as ``cancelled``
 with error type ``client_disconnected``, logged at info. Open paths (`OPEN_PATHS`:
-health, metrics, info, the OpenAPI document) need no key, stay up while draining,
+health, metrics, info, the OpenAPI document; GET and HEAD of the playground's page and
+files) need no key, stay up while draining,
 and are neither counted nor traced; every other path, plugin routes included, is an
 API route.
 
@@ -56,8 +57,10 @@ MAX_INT_DIGITS = 40  # no field takes more than a 64-bit integer (20 digits); a 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/info", "/openapi.json", "/docs", "/", "/ui"})
-OPEN_PREFIXES = ("/ui/",)  # the playground's static files (its API calls carry the key)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/info", "/openapi.json", "/docs"})
+# The playground's page and files, open to GET and HEAD only (POST / is TGI's generate);
+# the API calls the page makes carry the key.
+OPEN_PAGES, OPEN_PAGE_PREFIX = frozenset({"/", "/ui"}), "/ui/"
 REQUEST_ID_HEADER = b"x-request-id"
 TRACE_ID_HEADER = b"x-trace-id"
 # visible ASCII, no spaces: safe to echo in a header and to write in a log line
@@ -239,6 +242,10 @@ def route_path(scope: Scope) -> str:
     return path
 
 
+def _is_open_page(path: str, method: str) -> bool:
+    return method in ("GET", "HEAD") and (path in OPEN_PAGES or path.startswith(OPEN_PAGE_PREFIX))
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     """The first value of a header (names are lower-case in ASGI)."""
     for key, value in scope["headers"]:
@@ -289,7 +296,7 @@ class RequestMiddleware:
                 refusal = APIError(400, "x-request-id must be 1 to 128 visible ASCII characters without spaces",
                                    "bad_request", "x-request-id")
         ctx = RequestContext(request_id, path if path in self.known_paths else "other", scope["method"])
-        is_api = path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES)
+        is_api = path not in OPEN_PATHS and not _is_open_page(path, scope["method"])
         token = activate(ctx)
         span = None
         is_counted = False

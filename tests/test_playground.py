@@ -83,8 +83,10 @@ def test_page_is_served_without_a_key_and_revalidated(tiny_llama_dir):
     with running_server(tiny_llama_dir, max_total_tokens=64, api_key=KEY) as (url, _):
         for path in ("/", "/ui"):
             check_page(url, path)
-        # the page is open; the API behind it is not
+        # the page is open; the API behind it is not (POST / is TGI's generate route)
         assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.post(url + "/", json={"inputs": "hi"}).status_code == 401
+        assert httpx.post(url + "/ui/app.js", json={}).status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
@@ -114,11 +116,18 @@ def test_assets_have_their_types_and_are_cached(http, name):
 
 def test_unknown_asset_is_404_and_nothing_is_fetched_from_elsewhere(http):
     r = http.get("/ui/secret.py")
-    assert r.status_code == 404 and "app.js" in r.text
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"
     assert http.get("/ui/..%2Fserver.py").status_code == 404
     page, assets = load_assets()
     for text in [page] + [asset.body.decode() for asset in assets.values()]:
         assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # no CDN
+
+
+def test_openapi_documents_the_playground(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    for path, media_type in [("/", "text/html"), ("/ui", "text/html"), ("/ui/app.js", "text/javascript"),
+                             ("/ui/style.css", "text/css")]:
+        assert list(paths[path]["get"]["responses"]["200"]["content"]) == [media_type]
 
 
 def test_package_data_ships_the_files():

@@ -1,6 +1,7 @@
-"""The web playground (docs/playground.md): `/` and `/ui` serve its page, `/ui/{name}`
-its script and style sheet, all shipped as package data (`ember/api/playground/`) and
-read once when the app is built.
+"""The web playground (docs/playground.md): `/` and `/ui` serve its page, `/ui/app.js`
+and `/ui/style.css` its script and style sheet, all shipped as package data
+(`ember/api/playground/`) and read once when the app is built; any other `/ui/NAME` is
+the app's usual 404.
 
 The page names everything relative to a ``<base href>`` set to the request's
 ``root_path`` (`--root-path`, or the prefix a parent app mounted Ember under), so its
@@ -20,6 +21,8 @@ from importlib import resources
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from ember.api.openapi import documented
 
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 PAGE_PATHS = ("/", "/ui")
@@ -66,23 +69,27 @@ class PlaygroundRoutes:
         self.page, self.assets = load_assets()
 
     def routes(self) -> list[Route]:
+        """The page at each of `PAGE_PATHS`, each asset at ``/ui/NAME`` (any other name is
+        the app's usual 404)."""
         return [Route(path, self.index, methods=["GET", "HEAD"]) for path in PAGE_PATHS] + [
-            Route("/ui/{name}", self.asset, methods=["GET", "HEAD"]),
+            Route(f"/ui/{name}", self._asset_endpoint(name), methods=["GET", "HEAD"]) for name in self.assets
         ]
 
+    @documented(summary="The web playground (docs/playground.md)", tag="Playground", text_media_type="text/html")
     async def index(self, request: Request) -> Response:
         """The page, its base the app's root as the browser sees it (``root_path`` + "/")."""
         base = html.escape(request.scope.get("root_path", "").rstrip("/") + "/", quote=True)
         page = _asset(self.page.replace(BASE_MARKER, base).encode("utf-8"), "text/html; charset=utf-8")
         return self._respond(request, page, "no-cache")
 
-    async def asset(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        asset = self.assets.get(name)
-        if asset is None:
-            return Response(f"no playground file {name[:100]!r}; there are: {', '.join(self.assets)}\n", 404,
-                            media_type="text/plain; charset=utf-8", headers={"X-Content-Type-Options": "nosniff"})
-        return self._respond(request, asset, ASSET_CACHE)
+    def _asset_endpoint(self, name: str):
+        asset = self.assets[name]
+
+        async def serve(request: Request) -> Response:
+            return self._respond(request, asset, ASSET_CACHE)
+
+        media_type = asset.media_type.split(";", 1)[0]
+        return documented(summary=f"The playground's {name}", tag="Playground", text_media_type=media_type)(serve)
 
     @staticmethod
     def _respond(request: Request, asset: Asset, cache_control: str) -> Response:
