@@ -17,6 +17,7 @@ import transformers
 from server_utils import running_server
 from test_pooling import make_base_model, write_sentence_transformers
 
+from ember.api.routes.pooling import MAX_INPUTS
 from ember.testing.tiny_models import VOCAB_SIZE
 
 MAX_CONCURRENT = 6
@@ -84,6 +85,34 @@ def test_openai_client_embeddings_float_and_base64(server, embed_model):
     assert lists.usage.prompt_tokens == len(ids) + 3
 
 
+def test_a_batch_larger_than_the_in_flight_limit_and_the_window_takes_one_slot(server, embed_model, monkeypatch):
+    """LangChain sends up to 1,000 texts a call: one request, one slot of
+    --max-concurrent-requests, its inputs at most `WINDOW` at a time in the engine."""
+    import ember.api.routes.pooling as pooling
+
+    monkeypatch.setattr(pooling, "WINDOW", 4)
+    path, hf = embed_model
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    texts = [f"text number {i}" for i in range(MAX_CONCURRENT * 5)]
+    seen: list[int] = []
+    service = server.app.state.service
+    generate = service.generate
+
+    async def counting(*args, **kwargs):
+        seen.append(service.client.num_requests)
+        async for out in generate(*args, **kwargs):
+            yield out
+
+    monkeypatch.setattr(service, "generate", counting)
+    r = httpx.post(server.url + "/v1/embeddings", timeout=120,
+                   json={"model": "m", "input": texts, "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    for text, item in zip(texts, r.json()["data"]):
+        assert_close(item["embedding"], oracle(hf, tokenizer, text))
+    assert len(seen) == len(texts) and max(seen) <= 4  # never more than the window in the engine
+    assert service.num_in_flight == 0
+
+
 def test_base64_is_little_endian_float32(server, embed_model):
     path, hf = embed_model
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -112,7 +141,7 @@ BAD = [
     ({"model": "m", "input": [1, VOCAB_SIZE]}, 422, "input"),
     ({"model": "m", "input": [[1], [-1]]}, 422, "input[1]"),
     ({"model": "m", "input": "x" * (MAX_TOTAL + 10)}, 422, "input"),
-    ({"model": "m", "input": ["a"] * (MAX_CONCURRENT + 1)}, 422, "input"),
+    ({"model": "m", "input": ["a"] * (MAX_INPUTS + 1)}, 422, "input"),
     ({"model": "m", "input": 5}, 422, "input"),
     ({"model": "m", "input": [1, "a"]}, 422, "input"),
     ({"model": "m", "input": None}, 422, "input"),

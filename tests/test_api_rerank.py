@@ -13,6 +13,7 @@ from server_utils import running_server
 from test_api_embeddings import MAX_CONCURRENT, create_embed_model, oracle
 
 from ember.api.pooling import create_score_template
+from ember.api.routes.pooling import MAX_INPUTS
 
 DOCS = ["a fox in the forest", "stock market report", "the quick brown fox", "weather tomorrow"]
 QUERY = "quick fox"
@@ -82,7 +83,7 @@ BAD = [
     ("/v1/rerank", {"query": QUERY, "documents": [{"txt": "a"}]}, 422, "documents"),
     ("/v1/rerank", {"query": QUERY, "documents": "a"}, 422, "documents"),
     ("/v1/rerank", {"query": QUERY, "documents": ["a"], "top_n": 0}, 422, "top_n"),
-    ("/v1/rerank", {"query": QUERY, "documents": ["a"] * MAX_CONCURRENT}, 422, "documents"),
+    ("/v1/rerank", {"query": QUERY, "documents": ["a"] * (MAX_INPUTS + 1)}, 422, "documents"),
     ("/v1/rerank", {"query": QUERY, "documents": ["a"], "rank_fields": ["x"]}, 422, "rank_fields"),
     ("/rerank", {"query": QUERY, "documents": ["a"], "top_n": "2"}, 422, "top_n"),
     ("/v1/score", {"text_2": "a"}, 422, "text_1"),

@@ -2,8 +2,11 @@
 inputs checked and tokenized, and run as pooling requests.
 
 Every input of one HTTP request is one engine request (scheduled like a prompt,
-batched with whatever else runs, generating nothing) and takes one slot of
---max-concurrent-requests, as a list prompt of /v1/completions does. Any causal LM
+batched with whatever else runs, generating nothing). The HTTP request takes one slot of
+--max-concurrent-requests whatever its number of inputs (up to `MAX_INPUTS`, OpenAI's
+limit: LangChain sends 1,000 texts a call), and keeps at most `WINDOW` of them in the
+engine at once, so a large batch streams through beside other clients' requests
+instead of queueing ahead of all of them. Any causal LM
 can embed (last-token pooling of its final hidden states): a generation model is not
 refused, though only embedding models give embeddings worth comparing.
 """
@@ -21,6 +24,9 @@ from ember.api.service import GenerationService
 from ember.pooling_params import PoolingParams
 from ember.sampling_params import SamplingParams
 
+MAX_INPUTS = 2048  # inputs of one request (OpenAI's limit for /v1/embeddings)
+WINDOW = 32  # inputs of one request in the engine at once
+
 
 @dataclass(frozen=True, slots=True)
 class PoolingJob:
@@ -35,11 +41,8 @@ def tokenize_inputs(service: GenerationService, items: list, param: str, is_batc
     bad one (``input[2]``): empty, outside the vocabulary, longer than --max-input-tokens."""
     if not items:
         raise validation_error(f"`{param}` is empty: give at least one input", param)
-    if len(items) > service.limits.max_concurrent_requests:
-        raise validation_error(
-            f"`{param}` holds {len(items)} inputs; at most --max-concurrent-requests "
-            f"({service.limits.max_concurrent_requests}) can run at once", param,
-        )
+    if len(items) > MAX_INPUTS:
+        raise validation_error(f"`{param}` holds {len(items)} inputs; at most {MAX_INPUTS} per request", param)
     names = [f"{param}[{i}]" if is_batch else param for i in range(len(items))]
     vocab = service.model_info.vocab_size
     for item, name in zip(items, names):
@@ -78,22 +81,21 @@ def check_dimensions(service: GenerationService, dimensions: int | None) -> None
 async def run_pooled(
     service: GenerationService, request: Request, jobs: list[PoolingJob], pooling: PoolingParams,
 ) -> list[list[float]] | None:
-    """Every job's vector, in order (all queued at once: the engine batches them); None if
-    the client left (its requests are then aborted). One --max-concurrent-requests slot per job."""
+    """Every job's vector, in order (at most `WINDOW` in the engine at once, which batches
+    them); None if the client left (its requests are then aborted). One
+    --max-concurrent-requests slot for them all."""
     params = SamplingParams.for_pooling(pooling)
     for job in jobs:
         service.validate(job.prompt_ids, params)
-    taken = 0
-    try:
-        for _ in jobs:
-            service.acquire()
-            taken += 1
+    window = asyncio.Semaphore(WINDOW)
+    with service.admit():
 
         async def one(job: PoolingJob) -> list[float]:
-            last = None
-            async for last in service.generate(None, job.prompt_ids, params):
-                pass
-            return last.pooled
+            async with window:
+                last = None
+                async for last in service.generate(None, job.prompt_ids, params):
+                    pass
+                return last.pooled
 
         tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:
@@ -103,6 +105,3 @@ async def run_pooled(
         finally:
             for task in tasks:  # one failed (or the client left): the others are aborted
                 task.cancel()
-    finally:
-        for _ in range(taken):
-            service.release()
