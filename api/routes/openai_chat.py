@@ -193,7 +193,8 @@ class ChatRoutes(OpenAIRoutes):
         length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
-        params = after_reasoning(params, self._reasoning_parser())
+        if params.constraint is not None:  # a plain request calls nothing of the grammar plumbing
+            params = after_reasoning(params, self._reasoning_parser())
         self.service.validate(ids, params)
         return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param, adapter=adapter), setup
 

@@ -304,13 +304,16 @@ class ModelRunner:
             batch.remove(request_id)
             self.last_hidden.pop(request_id, None)
             self.sampler.remove_request(request_id)
-            self.pooler.remove(request_id)
+            if request_id in self.pooler.active:  # a plain request never calls into the pooler
+                self.pooler.remove(request_id)
         for request_id in scheduler_output.preempted_request_ids:
             batch.remove(request_id)  # back as a NewRequest; processors keep their state
-            self.pooler.remove(request_id)
+            if request_id in self.pooler.active:
+                self.pooler.remove(request_id)
         for new in scheduler_output.new_requests:
             batch.add(new)
-            self.pooler.add(new.request_id, new.sampling_params.pooling)
+            if new.sampling_params.pooling is not None:
+                self.pooler.add(new.request_id, new.sampling_params.pooling)
         for cached in scheduler_output.cached_requests:
             batch.update(cached)
 
