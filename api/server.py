@@ -225,7 +225,8 @@ def serve(settings: ServerSettings) -> int:
     model = engine.model_info
     logger.info(
         "serving %s on backend %s (dtype %s); KV cache holds %d tokens (%d blocks of %d); "
-        "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; %s; http://%s:%d",
+        "prefix caching %s, chunked prefill %s; max input %d, max total %d tokens; %s; http://%s:%d%s/ "
+        "(the playground: docs/playground.md)",
         service.info.model_id, model.backend_description, service.info.dtype, model.num_kv_cache_tokens,
         model.num_kv_blocks, model.block_size,
         "on" if model.is_prefix_caching else "off",
