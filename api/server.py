@@ -233,7 +233,7 @@ def serve(settings: ServerSettings) -> int:
         "on" if model.is_chunked_prefill else "off",
         service.limits.max_input_tokens, service.limits.max_total_tokens,
         "API-key auth on" if settings.api_key is not None else "API-key auth off: every route is open",
-        settings.hostname, settings.port,
+        settings.hostname, settings.port, settings.root_path,
     )
     server = create_server(app, settings)
     server.run()
