@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from server_utils import running_server
+from server_utils import running_server, wait_idle
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -274,6 +274,31 @@ def test_streamed_answer_matches_the_api(server, http, browser):
     last_turn(browser)
     history = browser.execute_script("return state.lastRequest.messages.map(m => m.role)")
     assert history == ["system", "user", "assistant", "user"]
+
+
+def generated_tokens(http) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    return sum(sample.value for sample in families["ember_generation_tokens"].samples
+               if sample.name == "ember_generation_tokens_total")
+
+
+def test_stop_aborts_the_generation(server, http, browser):
+    open_page(browser, server.url + "/")
+    before = generated_tokens(http)
+    set_field(browser, "max_tokens", "1200")
+    send(browser, "go on for a while")
+    wait_for(browser, lambda d: int(by_css(d, ".msg.assistant")[-1].get_attribute("data-updates")) >= 3,
+             "no tokens arrived")
+    by_css(browser, "#stop-generation")[0].click()
+    turn = last_turn(browser)
+    assert turn.get_attribute("data-finish-reason") == "stopped"
+    assert int(by_css(browser, "#stat-tokens")[0].text) < 1200
+    wait_idle(server.app)  # the server saw the client leave and aborted the request
+    assert server.app.state.service.num_in_flight == 0
+    assert generated_tokens(http) - before < 1200
+    assert by_css(browser, "#send")[0].is_enabled()
 
 
 def test_json_schema_mode_shows_valid_json(server, browser):
