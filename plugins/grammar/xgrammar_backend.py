@@ -12,6 +12,10 @@ In schemas it enforces the keywords in `KEYWORDS` and the formats in `FORMATS`
 keywords in one node it keeps one (``json_schema.exclusive_keywords``,
 ``lengths_alone``). A bounded string (``minLength``/``maxLength``) is compiled as the
 equivalent pattern over characters that need no escape (`_bounded_string_pattern`).
+
+Matchers close within a budget by a bounded greedy walk to an end (`closing_path`):
+xgrammar has no distances to measure, so the path is a way to end, not always the
+shortest.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ember.plugin.grammar import (
     choice_regex,
     set_tokens,
 )
+from ember.plugins.grammar.closing_path import ClosingMatcher, ClosingVocab
 from ember.plugins.grammar.json_schema import (
     check_schema,
     exclusive_keywords,
@@ -80,20 +85,22 @@ def _bounded_string_pattern(node: dict[str, Any]) -> dict[str, Any]:
 
 
 class XGrammarGrammar(BaseCompiledGrammar):
-    def __init__(self, compiled, context: GrammarContext) -> None:
+    def __init__(self, compiled, context: GrammarContext, closing_vocab: ClosingVocab) -> None:
         self.compiled = compiled
         self.eos_token_ids = context.eos_token_ids
         self.num_words = context.num_mask_words
+        self.closing_vocab = closing_vocab
 
     def create_matcher(self) -> XGrammarMatcher:
         return XGrammarMatcher(self)
 
 
-class XGrammarMatcher(BaseGrammarMatcher):
+class XGrammarMatcher(ClosingMatcher, BaseGrammarMatcher):
     def __init__(self, grammar: XGrammarGrammar) -> None:
         import xgrammar
 
         self._grammar = grammar
+        self._closing_vocab = grammar.closing_vocab
         self._matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=list(grammar.eos_token_ids))
         self._scratch: torch.Tensor | None = None
 
@@ -144,6 +151,7 @@ class XGrammarBackend(BaseGrammarBackend):
         )
         # the engine caches compiled grammars itself; one thread each (compiles run in parallel)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.closing_vocab = ClosingVocab(context.token_bytes, context.eos_token_ids, context.vocab_size)
 
     def compile(self, constraint: Constraint) -> XGrammarGrammar:
         self.check_kind(constraint)
@@ -166,7 +174,7 @@ class XGrammarBackend(BaseGrammarBackend):
         except (RuntimeError, ValueError) as exc:
             message = _LOCATION.sub("", str(exc).strip().split("\n")[0])
             raise GrammarError(f"xgrammar cannot compile {constraint.describe()}: {message}") from None
-        return XGrammarGrammar(compiled, self.context)
+        return XGrammarGrammar(compiled, self.context, self.closing_vocab)
 
 
 @hookimpl
