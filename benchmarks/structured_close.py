@@ -8,7 +8,8 @@ Each is asked of SmolLM2 through the openai client (``response_format`` json_sch
 
 * ``before``: ``--disable-grammar-budget --grammar-repetition-limit 0`` (the old behaviour;
   ``EngineConfig(grammar_budget=False, grammar_repetition_limit=0)``);
-* ``after``: the defaults (budget on, repetition limit 12).
+* ``after``: the defaults (budget on, repetition limit 12);
+* ``repetition_only``, ``budget_only`` (``--arms``): one of the two.
 
 Schemas with ``minimum``/``maximum`` (review, sensor) run on xgrammar (outlines refuses
 the bounds; the engine falls back), whose budget is the greedy closing walk.
@@ -87,6 +88,8 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 ARMS = {  # EngineConfig fields of each arm
     "before": {"grammar_budget": False, "grammar_repetition_limit": 0},
     "after": {},
+    "repetition_only": {"grammar_budget": False},
+    "budget_only": {"grammar_repetition_limit": 0},
 }
 
 
@@ -128,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arms", default="before,after")
+    parser.add_argument("--arms", default="before,after", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
 

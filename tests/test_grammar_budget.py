@@ -326,3 +326,36 @@ def test_xgrammar_bounded_strings_are_utf8_counted_in_characters(context, data, 
     matcher = XGrammarBackend(context).compile(schema).create_matcher()
     ids = [context.token_bytes.index(bytes([b])) for b in data]
     assert (matcher.accept_tokens(ids) == len(ids)) is accepted
+
+
+# -- the flags -----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, environ, budget, limit", [
+    ([], {}, True, 12),
+    (["--disable-grammar-budget", "--grammar-repetition-limit", "0"], {}, False, 0),
+    ([], {"EMBER_DISABLE_GRAMMAR_BUDGET": "1", "EMBER_GRAMMAR_REPETITION_LIMIT": "5"}, False, 5),
+])
+def test_flags_and_variables_reach_the_engine_config(argv, environ, budget, limit):
+    from ember.api.cli import build_parser
+    from ember.api.cli_env import apply_defaults
+    from ember.api.settings import ServerSettings, engine_config_kwargs
+    from ember.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", *argv])
+    apply_defaults(args, environ)
+    assert (args.disable_grammar_budget, args.grammar_repetition_limit) == (not budget, limit)
+    settings = ServerSettings(grammar_repetition_limit=args.grammar_repetition_limit,
+                              disable_grammar_budget=args.disable_grammar_budget)
+    kwargs = engine_config_kwargs(settings)
+    assert (kwargs["grammar_budget"], kwargs["grammar_repetition_limit"]) == (budget, limit)
+    config = EngineConfig(model="m", grammar_budget=budget, grammar_repetition_limit=limit)
+    assert (config.grammar_budget, config.grammar_repetition_limit) == (budget, limit)
+
+
+def test_a_negative_repetition_limit_is_refused_naming_it():
+    from ember.api.settings import ServerSettings
+    from ember.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--grammar-repetition-limit must be an integer >= 0"):
+        ServerSettings(grammar_repetition_limit=-1)
+    with pytest.raises(ValueError, match="grammar_repetition_limit must be an integer >= 0"):
+        EngineConfig(model="m", grammar_repetition_limit=True)

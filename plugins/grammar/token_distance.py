@@ -16,6 +16,9 @@ by the distance they lead to, so the tokens from which the output can still end 
 Grammars whose index holds more than `MAX_TRANSITIONS` token transitions are not
 measured (None): the search holds a copy of the transitions, and an index that large
 (a long free-text schema over a big vocabulary) would cost memory out of proportion.
+Measuring costs about a third of building the index (SmolLM2's vocabulary: 32 ms for a
+200-state order schema, 220 ms for a 50-property one with 0.9 million transitions), on
+the compile thread, once per compiled grammar.
 """
 
 from __future__ import annotations
@@ -87,11 +90,20 @@ def measure(
                     distance[before] = level
                     reached.append(before)
         frontier = reached
+    # distances by state id in one array, for a vectorized lookup per row
+    states = set(transitions) | set(predecessors) | set(distance)
+    if max(states, default=0) > 4 * max_transitions:
+        return None  # sparse ids too large for the lookup array (outlines-core numbers its states densely)
+    by_id = np.full(max(states, default=0) + 1, UNREACHABLE, dtype=np.int16)
+    for state, d in distance.items():
+        by_id[state] = min(d, UNREACHABLE)
+    eos_ids = np.array(sorted(eos), dtype=np.int64)
     rows = {}
     for state, row in transitions.items():
-        pairs = [(token, nxt) for token, nxt in row.items() if token not in eos]
-        tokens = np.fromiter((t for t, _ in pairs), np.int32, len(pairs))
-        dists = np.fromiter((min(distance.get(n, UNREACHABLE), UNREACHABLE) for _, n in pairs), np.int16, len(pairs))
+        tokens = np.fromiter(row.keys(), np.int64, len(row))
+        nexts = np.fromiter(row.values(), np.int64, len(row))
+        keep = ~np.isin(tokens, eos_ids)
+        tokens, dists = tokens[keep].astype(np.int32), by_id[nexts[keep]]
         order = np.argsort(dists, kind="stable")
         rows[state] = StateRow(tokens[order], dists[order])
     return TokenDistances(distance, rows)
