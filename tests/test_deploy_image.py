@@ -18,6 +18,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,9 +101,20 @@ def _build_base_image() -> None:
     tarball.unlink()
 
 
+def _find_links() -> list[str]:
+    """The local wheel folders pip uses here: PIP_FIND_LINKS and pip's configuration files."""
+    folders = os.environ.get("PIP_FIND_LINKS", "").split()
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60)
+    for line in listed.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith("find-links"):
+            folders += value.strip("'\"").split()
+    return folders
+
+
 def _local_torch_wheel() -> Path | None:
-    """A torch CPU wheel pip already finds on this machine (PIP_FIND_LINKS), if any."""
-    for folder in os.environ.get("PIP_FIND_LINKS", "").split():
+    """A torch CPU wheel pip already finds on this machine, if any."""
+    for folder in _find_links():
         for path in glob.glob(os.path.join(folder, "torch-2.13.0+cpu-cp311-*.whl")):
             return Path(path)
     return None
