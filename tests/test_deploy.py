@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "ember-dashboard.json"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 COMPOSE = ROOT / "docker" / "compose.yaml"
+COMPOSE_SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
 CHART_VALUES = ROOT / "deploy" / "helm" / "ember" / "values.yaml"
 METRIC_NAME = re.compile(r"\bember_[a-z0-9_]+\b")
 # What the dashboard must show (issue 34): throughput, TTFT and ITL percentiles, queue, running
@@ -157,6 +159,16 @@ def test_dashboard_queries_evaluate_in_prometheus(server, tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_compose_file_matches_the_compose_specification():
+    """tests/data/compose-spec.json is the Compose Specification's JSON schema (compose-spec/compose-spec,
+    schema/compose-spec.json at a08f8d5, Apache-2.0): what `docker compose config` checks first."""
+    validator = jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text()))
+    compose = yaml.safe_load(COMPOSE.read_text())
+    assert [error.message for error in validator.iter_errors(compose)] == []
+    compose["services"]["ember"]["port"] = "3000"  # a misspelt key is caught
+    assert any("'port'" in error.message for error in validator.iter_errors(compose))
 
 
 def test_compose_wires_ember_prometheus_and_grafana():
