@@ -37,15 +37,14 @@ from ember.api.errors import (
 )
 from ember.api.http import parse_model, read_json
 from ember.api.openapi import GENERATION_ERRORS, documented
-from ember.api.routes.openai import Job
+from ember.api.routes.openai import AnswerReader, Job
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.schemas import anthropic as an
 from ember.api.schemas import openai as oa
 from ember.api.structured_outputs import failure
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup
 from ember.outputs import RequestOutput
-from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
-from ember.plugin.tool_parser import ParserDelta
+from ember.plugin.reasoning_parser import BaseReasoningParser
 
 BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 THINKING_BLOCKS = {"thinking": an.ThinkingBlock, "redacted_thinking": an.RedactedThinkingBlock}
@@ -278,9 +277,7 @@ class MessagesRoutes(ChatRoutes):
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(job.prompt_ids), "output_tokens": 0}}})
         yield event("ping", {"type": "ping"})
-        parser = setup.parser() if setup.parser else None
-        reasoning_cls = self._reasoning_parser()
-        reader = reasoning_cls() if reasoning_cls is not None else None
+        reader = AnswerReader(self._reasoning_parser(), setup.parser)  # reasoning first, then text and calls
         blocks: list[str] = []  # the kind of each block started; the last one is open until stopped
         is_open = False
         num_tokens, has_calls, last = 0, False, None
@@ -310,30 +307,18 @@ class MessagesRoutes(ChatRoutes):
                     raise error
                 num_tokens += len(out.new_token_ids)
                 last = out
-                text = out.new_text
-                if reader is not None:  # the reasoning first; the tool parser reads what follows it
-                    piece = reader.feed(text)
-                    if out.finished:
-                        end = reader.finish()
-                        piece = ReasoningDelta(piece.reasoning + end.reasoning, piece.content + end.content)
-                    text = piece.content
-                    if piece.reasoning and thinker is not None:
-                        if not (is_open and blocks[-1] == "thinking"):
-                            for item in start({"type": "thinking", "thinking": "", "signature": ""}):
-                                yield item
-                        yield delta({"type": "thinking_delta", "thinking": piece.reasoning})
-                parsed = ParserDelta(text)
-                if parser is not None:
-                    parsed = parser.feed(text)
-                    if out.finished:
-                        end = parser.finish()
-                        parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
-                if parsed.content:
+                reasoning, content, calls = reader.feed(out.new_text, out.finished)
+                if reasoning and thinker is not None:
+                    if not (is_open and blocks[-1] == "thinking"):
+                        for item in start({"type": "thinking", "thinking": "", "signature": ""}):
+                            yield item
+                    yield delta({"type": "thinking_delta", "thinking": reasoning})
+                if content:
                     if not (is_open and blocks[-1] == "text"):
                         for item in start({"type": "text", "text": ""}):
                             yield item
-                    yield delta({"type": "text_delta", "text": parsed.content})
-                for piece in parsed.tool_calls:
+                    yield delta({"type": "text_delta", "text": content})
+                for piece in calls:
                     if setup.max_calls is not None and piece.index >= setup.max_calls:
                         continue
                     if piece.id is not None:

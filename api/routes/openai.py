@@ -37,6 +37,8 @@ from ember.api.service import GenerationService, with_watermark
 from ember.api.structured_outputs import failure
 from ember.constraint import Constraint
 from ember.outputs import OutputKind, RequestOutput
+from ember.plugin.reasoning_parser import BaseReasoningParser
+from ember.plugin.tool_parser import BaseToolParser, ToolCallDelta
 from ember.sampling_params import SamplingParams
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -372,3 +374,31 @@ class OpenAIRoutes:
             yield sse_error_event(APIError(500, f"generation failed: {exc!r}", "generation"), Flavor.OPENAI)
 
     # -- /v1/completions ------------------------------------------------------------------
+
+
+class AnswerReader:
+    """One generated answer read as it streams, for the chat, Messages and Responses
+    streams alike: the reasoning parser (--reasoning-parser) first, then the tool-call
+    parser on what follows the reasoning; the last piece (``finished``) flushes both.
+    Without either parser the text passes through untouched (a plain request calls
+    nothing of the parser contracts)."""
+
+    def __init__(self, reasoning_cls: type[BaseReasoningParser] | None, parser_cls: type[BaseToolParser] | None) -> None:
+        self.thinker = reasoning_cls() if reasoning_cls is not None else None
+        self.parser = parser_cls() if parser_cls is not None else None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning, content, tool-call pieces) of the next piece of generated text."""
+        reasoning = ""
+        if self.thinker is not None:
+            piece, end = self.thinker.feed(text), (self.thinker.finish() if finished else None)
+            reasoning, text = piece.reasoning, piece.content
+            if end is not None:
+                reasoning, text = reasoning + end.reasoning, text + end.content
+        if self.parser is None:
+            return reasoning, text, []
+        parsed = self.parser.feed(text)
+        if not finished:
+            return reasoning, parsed.content, list(parsed.tool_calls)
+        end = self.parser.finish()
+        return reasoning, parsed.content + end.content, [*parsed.tool_calls, *end.tool_calls]

@@ -25,6 +25,7 @@ from ember.api.http import read_model
 from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.routes.openai import (
     DONE_EVENT,
+    AnswerReader,
     Job,
     OpenAIRoutes,
     Pending,
@@ -39,14 +40,14 @@ from ember.api.service import GenerationService
 from ember.api.structured_outputs import after_reasoning, check_backend, failure, openai_constraint
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
 from ember.outputs import RequestOutput
-from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
-from ember.plugin.tool_parser import BaseToolParser, ParserDelta
+from ember.plugin.reasoning_parser import BaseReasoningParser
+from ember.plugin.tool_parser import ToolCallDelta
 
 
-def tool_call_pieces(delta: ParserDelta, max_calls: int | None) -> list[dict]:
+def tool_call_pieces(calls: list[ToolCallDelta], max_calls: int | None) -> list[dict]:
     """A parser's call pieces as OpenAI's `delta.tool_calls` entries."""
     pieces = []
-    for piece in delta.tool_calls:
+    for piece in calls:
         if max_calls is not None and piece.index >= max_calls:
             continue
         function = {"arguments": piece.arguments}
@@ -260,34 +261,18 @@ class ChatRoutes(OpenAIRoutes):
                 return None
             return chat_logprobs(self.service, view, 0, num_top).model_dump()
 
-        parsers = [setup.parser() if setup.parser else None for _ in range(num_choices)]
         reasoning_cls = self._reasoning_parser()
-        thinkers = [reasoning_cls() if reasoning_cls else None for _ in range(num_choices)]
+        readers = [AnswerReader(reasoning_cls, setup.parser) for _ in range(num_choices)]
         has_calls = [False] * num_choices
 
         def delta_of(index: int, out: RequestOutput) -> dict:
             """The chunk's delta: the text, or what the choice's parsers can report of it
             (the reasoning parser first, the tool parser reads what follows the reasoning)."""
-            text, reasoning = out.new_text, ""
-            thinker: BaseReasoningParser | None = thinkers[index]
-            if thinker is not None:
-                piece = thinker.feed(text)
-                if out.finished:
-                    end_piece = thinker.finish()
-                    piece = ReasoningDelta(piece.reasoning + end_piece.reasoning, piece.content + end_piece.content)
-                reasoning, text = piece
-            parser: BaseToolParser | None = parsers[index]
-            if parser is None:
-                delta = {"content": text} if text else {}
-                return {"reasoning_content": reasoning, **delta} if reasoning else delta
-            parsed = parser.feed(text)
-            if out.finished:
-                end = parser.finish()
-                parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
-            delta: dict = {"content": parsed.content} if parsed.content else {}
+            reasoning, content, calls = readers[index].feed(out.new_text, out.finished)
+            delta: dict = {"content": content} if content else {}
             if reasoning:
                 delta = {"reasoning_content": reasoning, **delta}
-            pieces = tool_call_pieces(parsed, setup.max_calls)
+            pieces = tool_call_pieces(calls, setup.max_calls) if calls else []
             if pieces:
                 delta["tool_calls"] = pieces
                 has_calls[index] = True

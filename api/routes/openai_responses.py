@@ -30,7 +30,7 @@ from ember.api.http import parse_model, read_json
 from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.responses_store import ResponsesStore
 from ember.api.routes import responses_items as items
-from ember.api.routes.openai import Job
+from ember.api.routes.openai import AnswerReader, Job
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.responses_events import EventWriter
 from ember.api.schemas import openai as oa
@@ -39,8 +39,6 @@ from ember.api.service import GenerationService
 from ember.api.structured_outputs import failure
 from ember.engine.tool_calls import ToolSetup
 from ember.outputs import RequestOutput
-from ember.plugin.reasoning_parser import BaseReasoningParser, ReasoningDelta
-from ember.plugin.tool_parser import BaseToolParser, ParserDelta
 
 # request fields passed to the chat request under the same name
 SAME_FIELDS = ("model", "parallel_tool_calls", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty",
@@ -248,9 +246,8 @@ class ResponsesRoutes(ChatRoutes):
         writer = EventWriter()
         for event in writer.start(self._response(plan, [], None)):
             yield event
-        setup, reasoning_cls = plan.setup, self._reasoning_parser()
-        thinker = reasoning_cls() if reasoning_cls is not None else None
-        parser = setup.parser() if setup.parser is not None else None
+        setup = plan.setup
+        reader = AnswerReader(self._reasoning_parser(), setup.parser)
         last: RequestOutput | None = None
         num_tokens = 0
         try:
@@ -261,7 +258,7 @@ class ResponsesRoutes(ChatRoutes):
                         raise error
                     num_tokens += len(out.new_token_ids)
                     last = out
-                    for event in self._pieces(writer, thinker, parser, setup.max_calls, out):
+                    for event in self._pieces(writer, reader, setup.max_calls, out):
                         yield event
         except Exception as exc:
             error = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc!r}", "generation")
@@ -280,27 +277,15 @@ class ResponsesRoutes(ChatRoutes):
         yield writer.end(response)
 
     @staticmethod
-    def _pieces(writer: EventWriter, thinker: BaseReasoningParser | None, parser: BaseToolParser | None,
-                max_calls: int | None, out: RequestOutput) -> list[bytes]:
+    def _pieces(writer: EventWriter, reader: AnswerReader, max_calls: int | None, out: RequestOutput) -> list[bytes]:
         """One engine output's events: its reasoning, then its text and call pieces."""
-        text, events = out.new_text, []
-        if thinker is not None:
-            piece = thinker.feed(text)
-            if out.finished:
-                end = thinker.finish()
-                piece = ReasoningDelta(piece.reasoning + end.reasoning, piece.content + end.content)
-            if piece.reasoning:
-                events += writer.reasoning(piece.reasoning)
-            text = piece.content
-        parsed = ParserDelta(text)
-        if parser is not None:
-            parsed = parser.feed(text)
-            if out.finished:
-                end = parser.finish()
-                parsed = ParserDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
-        if parsed.content:
-            events += writer.text(parsed.content)
-        for piece in parsed.tool_calls:
+        events: list[bytes] = []
+        reasoning, content, calls = reader.feed(out.new_text, out.finished)
+        if reasoning:
+            events += writer.reasoning(reasoning)
+        if content:
+            events += writer.text(content)
+        for piece in calls:
             if max_calls is not None and piece.index >= max_calls:
                 continue
             if piece.id is not None:
