@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
@@ -329,6 +330,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     # draft_model, eagle, medusa: the draft model's or the heads' directory
     model: str | None = None
+    # suffix (suffix decoding; vLLM's names): the trees' depth (match + drafts), the
+    # earlier responses kept in the global tree (0: none), drafts per matched token and
+    # added to them, and the estimated probability a draft must keep
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 0
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_max_spec_offset: float = 0.0
+    suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = 8
     min_acceptance_rate: float = 0.1
     acceptance_window: int = 16
@@ -373,6 +382,7 @@ class SpeculativeConfig:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise ValueError(f"speculative config: min_acceptance_rate must lie in [0, 1], got {rate!r}")
 
+        self._check_suffix()
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
         """From a config, a mapping of its fields, or their JSON; None stays None.
@@ -380,6 +390,23 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
+    def _check_suffix(self) -> None:
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+            raise ValueError(f"speculative config: suffix_decoding_max_tree_depth must be an integer of at least 2, "
+                             f"got {depth!r}")
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(f"speculative config: suffix_decoding_max_cached_requests must be a non-negative integer, "
+                             f"got {cached!r}")
+        bounds = {"suffix_decoding_max_spec_factor": (0, None), "suffix_decoding_max_spec_offset": (None, None),
+                  "suffix_decoding_min_token_prob": (0, 1)}
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or (low is not None and value < low) or (high is not None and value > high):
+                where = f"in [{low}, {high}]" if high is not None else "a finite number" + (" >= 0" if low == 0 else "")
+                raise ValueError(f"speculative config: {name} must be {where}, got {value!r}")
+
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:

@@ -5,13 +5,13 @@ and the SSE event sequence."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import anthropic  # the `test` extra installs it
 import httpx
 import jsonschema
 import pytest
 from server_utils import running_server, wait_idle  # noqa: E402
+from tiny_models import with_context
 
 KEY = "sekrit"
 MAX_TOTAL_TOKENS = 2048  # byte tokens: a tool prompt is several hundred
@@ -29,10 +29,7 @@ BASE = {"model": "tiny", "max_tokens": 5, "messages": MESSAGES}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-anthropic") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_TOTAL_TOKENS}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-anthropic") / "model", MAX_TOTAL_TOKENS)
     with running_server(path, engine={"num_kv_blocks": 1024}, max_total_tokens=MAX_TOTAL_TOKENS,
                         served_model_name="tiny", api_key=KEY) as running:
         yield running
@@ -263,10 +260,7 @@ def test_earlier_thinking_blocks_stay_out_of_the_prompt(http):
 def thinking_server(tiny_llama_dir, tmp_path_factory):
     """deepseek_r1 reads an answer as reasoning until `</think>` (its template opens the
     tag in the prompt), so the tiny model's whole answer is thinking."""
-    path = tmp_path_factory.mktemp("tiny-thinking") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-thinking") / "model", 2048)
     with running_server(path, engine={"num_kv_blocks": 512}, max_total_tokens=2048, max_input_tokens=200,
                         served_model_name="tiny", reasoning_parser="deepseek_r1") as running:
         yield running

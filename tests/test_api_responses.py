@@ -5,7 +5,6 @@ raw httpx for the error bodies and the SSE event sequence."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import httpx
@@ -14,6 +13,7 @@ import openai
 import pydantic
 import pytest
 from server_utils import running_server, wait_idle  # noqa: E402
+from tiny_models import with_context
 
 KEY = "sekrit"
 MAX_TOTAL_TOKENS = 2048  # byte tokens: a tool prompt is several hundred
@@ -30,10 +30,7 @@ BASE = {"model": "tiny", "input": "hello", "max_output_tokens": 5, "temperature"
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-responses") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_TOTAL_TOKENS}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-responses") / "model", MAX_TOTAL_TOKENS)
     return path
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import httpx
 import jsonschema
@@ -19,8 +18,8 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel, Field
-
 from server_utils import running_server, wait_idle
+from tiny_models import with_context
 
 WEATHER = {
     "type": "object",
@@ -50,10 +49,7 @@ MAX_TOTAL_TOKENS = 2048  # byte tokens: a tool prompt is several hundred
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama with room for tool prompts (its random weights do not mind)."""
-    path = tmp_path_factory.mktemp("tiny-long") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_TOTAL_TOKENS}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-long") / "model", MAX_TOTAL_TOKENS)
     return path
 
 

@@ -7,7 +7,6 @@ the commands, Ctrl-C stopping a long answer but not the program, Ctrl-D / /exit;
 from __future__ import annotations
 
 import io
-import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import uuid
 import httpx
 import pytest
 from server_utils import running_server, wait_idle
+from tiny_models import with_context
 
 from ember.api.chat_cli import Chat, ChatError, repl
 
@@ -25,10 +25,7 @@ CONTEXT = 4096
 
 @pytest.fixture(scope="module")
 def long_model(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-chat") / "model", CONTEXT)
     return path
 
 

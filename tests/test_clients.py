@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import jsonschema
 import pytest
 from client_apps import WEATHER, ai_sdk_dir, langchain_calls, litellm_calls, run_ai_sdk
 from server_utils import running_server
+from tiny_models import with_context
 
 KEY = "sekrit"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-clients") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-clients") / "model", 2048)
     with running_server(path, engine={"num_kv_blocks": 1024}, max_total_tokens=2048, served_model_name="tiny",
                         api_key=KEY) as running:
         yield running

@@ -26,6 +26,7 @@ import pytest
 from server_utils import running_server, wait_idle
 from starlette.applications import Starlette
 from starlette.routing import Mount
+from tiny_models import with_context
 
 from ember.api.routes.playground import ASSETS, load_assets
 from ember.api.settings import ServerSettings
@@ -58,10 +59,7 @@ def _skip_or_fail(reason: str) -> None:
 @pytest.fixture(scope="module")
 def long_llama_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama with room for tool prompts (its random weights do not mind)."""
-    path = tmp_path_factory.mktemp("tiny-long") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_TOTAL_TOKENS}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-long") / "model", MAX_TOTAL_TOKENS)
     return path
 
 

@@ -6,10 +6,10 @@ parser is chosen by the chat template, tool choices are checked by name, and
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
+from tiny_models import with_context
 
 from ember.constraint import ConstraintKind
 from ember.engine.llm import LLM
@@ -97,10 +97,7 @@ def test_messages_for_templates_with_and_without_tools():
 
 @pytest.fixture(scope="module")
 def long_llama(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-long") / "model"
-    shutil.copytree(tiny_llama_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    path = with_context(tiny_llama_dir, tmp_path_factory.mktemp("tiny-long") / "model", 2048)
     return path
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import httpx
 import pytest
@@ -181,11 +180,9 @@ def test_tool_call_parser_flag_names_the_parser_of_auto_answers(tiny_llama_dir, 
     tiny model's ChatML one would choose hermes), and the tools are described to the model
     in that parser's words."""
     from server_utils import running_server
+    from tiny_models import with_context
 
-    model_dir = tmp_path / "model"
-    shutil.copytree(tiny_llama_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    model_dir = with_context(tiny_llama_dir, tmp_path / "model", 2048)
     prompt_tokens = {}
     for name, answer in ANSWERS.items():
         with running_server(model_dir, engine={"num_kv_blocks": 512}, tool_call_parser=name) as server:
