@@ -375,6 +375,7 @@ class SpeculativeConfig:
                 f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+        self._check_suffix()
         size = self.disable_by_batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"speculative config: disable_by_batch_size must be a positive integer or null, got {size!r}")
@@ -382,14 +383,6 @@ class SpeculativeConfig:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise ValueError(f"speculative config: min_acceptance_rate must lie in [0, 1], got {rate!r}")
 
-        self._check_suffix()
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a config, a mapping of its fields, or their JSON; None stays None.
-        An unknown key is a ValueError naming it."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
     def _check_suffix(self) -> None:
         depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
@@ -407,6 +400,13 @@ class SpeculativeConfig:
                 where = f"in [{low}, {high}]" if high is not None else "a finite number" + (" >= 0" if low == 0 else "")
                 raise ValueError(f"speculative config: {name} must be {where}, got {value!r}")
 
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a config, a mapping of its fields, or their JSON; None stays None.
+        An unknown key is a ValueError naming it."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
