@@ -203,6 +203,16 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "throughput measured higher), or a thread beside the HTTP event loop (docs/engine-core.md) [EMBER_ENGINE_MODE]",
     )
     limits.add_argument(
+        "--restart-engine-on-failure", action="store_true", default=None,
+        help="when the engine-core process dies, start a new one in place (its requests in flight end with an "
+        "error) instead of exiting non-zero; needs --engine-mode process [EMBER_RESTART_ENGINE_ON_FAILURE]",
+    )
+    limits.add_argument(
+        "--max-engine-restarts", metavar="N", type=int, default=None,
+        help="with --restart-engine-on-failure: restarts allowed within an hour; one more death stops the server "
+        "(default 3) [EMBER_MAX_ENGINE_RESTARTS]",
+    )
+    limits.add_argument(
         "--kv-cache-memory", metavar="SIZE", type=parse_size_option, default=None,
         help="memory for the KV cache, e.g. 512MiB or 2GiB (default: the backend's share of free memory; "
         "CPU: a quarter of available RAM, at most 2 GiB) [EMBER_KV_CACHE_MEMORY]",

@@ -85,6 +85,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         num_threads=args.num_threads,
         engine_mode=args.engine_mode,
+        restart_engine_on_failure=args.restart_engine_on_failure,
+        max_engine_restarts=args.max_engine_restarts,
         max_stop_sequences=args.max_stop_sequences,
         payload_limit=args.payload_limit,
         disabled_plugins=tuple(args.disable_plugin),

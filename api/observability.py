@@ -336,6 +336,8 @@ class _EngineCollector(Collector):
                                   "(invalid or unsupported constraints)", value=stats.num_grammar_compile_errors)
         yield CounterMetricFamily("ember_grammar_compile_timeouts", "Requests that waited past "
                                   "--grammar-compile-timeout for their grammar", value=stats.num_grammar_compile_timeouts)
+        yield CounterMetricFamily("ember_engine_restarts", "Engine-core processes restarted after a death "
+                                  "(--restart-engine-on-failure)", value=getattr(self.client, "num_restarts", 0))
         spec = stats.speculation
         if spec is not None:  # vLLM's spec_decode counters, per method
             for name, key, doc in (

@@ -43,6 +43,7 @@ from ember.api.service import GenerationService, Lifecycle, ServedModel
 from ember.api.settings import ServerSettings, engine_config_kwargs, resolve_limits
 from ember.engine.async_engine import AsyncLLMEngine
 from ember.engine.client import EngineClient
+from ember.engine.supervisor import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ def build_engine(settings: ServerSettings) -> AsyncLLMEngine:
             f"registered: {', '.join(grammar_backends.names()) or 'none'}"
         )
     if settings.engine_mode == "process":
-        return AsyncLLMEngine.with_engine_process(config, pm)
+        policy = RestartPolicy(settings.max_engine_restarts) if settings.restart_engine_on_failure else None
+        return AsyncLLMEngine.with_engine_process(config, pm, restart_policy=policy)
     return AsyncLLMEngine(LLMEngine(config, pm))
 
 

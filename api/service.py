@@ -281,6 +281,9 @@ class Lifecycle:
     def refusal(self) -> APIError | None:
         """The 503 a new API request gets while draining."""
         if self.is_draining:
+            if (dead := self.client.dead_error) is not None:  # say why: the engine stopped (docs/operations.md)
+                return APIError(503, f"the engine stopped ({dead}); the server is shutting down and takes no new "
+                                "requests", "unhealthy")
             return APIError(503, "the server is shutting down and takes no new requests", "shutting_down")
         return None
 

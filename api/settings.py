@@ -71,6 +71,10 @@ class ServerSettings:
     # Where the engine core runs: "process" (its own, the default: measured faster when
     # served, docs/engine-core.md) or "thread" (beside the event loop).
     engine_mode: str = "process"
+    # a dead engine-core process is restarted in place, at most max_engine_restarts times an hour
+    # (docs/operations.md); off: the server drains and exits non-zero for its orchestrator to restart
+    restart_engine_on_failure: bool = False
+    max_engine_restarts: int = 3
     max_stop_sequences: int = 4
     payload_limit: int = 2_000_000
     disabled_plugins: tuple[str, ...] = field(default_factory=tuple)
@@ -173,6 +177,11 @@ class ServerSettings:
         optional_positive["max_cpu_loras"] = self.max_cpu_loras
         if self.engine_mode not in ("thread", "process"):
             raise ValueError(f"--engine-mode must be 'thread' or 'process', got {self.engine_mode!r}")
+        if self.restart_engine_on_failure and self.engine_mode != "process":
+            raise ValueError("--restart-engine-on-failure needs --engine-mode process: a core in a thread dies "
+                             "with the server's own process (a step that raises already fails only its requests)")
+        if not isinstance(self.max_engine_restarts, int) or self.max_engine_restarts < 0:
+            raise ValueError(f"--max-engine-restarts must be an integer >= 0, got {self.max_engine_restarts!r}")
         for name, value in {**positive, **{k: v for k, v in optional_positive.items() if v is not None}}.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

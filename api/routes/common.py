@@ -30,7 +30,9 @@ class CommonRoutes:
         503 with the reason otherwise."""
         engine = self.service.client
         lifecycle = self.lifecycle
-        if not engine.is_running:
+        if (cause := getattr(engine, "restart_cause", None)) is not None:  # --restart-engine-on-failure: a new core is loading
+            message, error_type = f"the engine core is restarting after it died ({cause})", "unhealthy"
+        elif not engine.is_running:
             message, error_type = f"engine is not running: {engine.dead_error!r}", "unhealthy"
         elif lifecycle is None or lifecycle.is_ready:
             return JSONResponse({"status": "ok"})

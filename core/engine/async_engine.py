@@ -34,10 +34,12 @@ from ember.engine.client import (
     RequestAbortedError,
 )
 from ember.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest
+from ember.engine.core_process import CoreProcessReader, EngineCoreProcess
 from ember.engine.input_processor import InputProcessor, apply_chat_template
 from ember.engine.llm_engine import LLMEngine
 from ember.engine.output_processor import OutputKind, OutputProcessor
-from ember.models.tokenizer import load_tokenizer
+from ember.engine.supervisor import CoreSupervisor, RestartPolicy
+from ember.models.tokenizer import encode_with_offsets, load_tokenizer
 from ember.outputs import RequestOutput
 from ember.plugin import create_plugin_manager
 from ember.plugin.adapter import AdapterError, AdapterWeights, UnknownAdapterError, read_adapter
@@ -100,11 +102,12 @@ def _deliver(items: list[tuple[_RequestStream, RequestOutput]]) -> None:
             pass
 
 
-class AsyncLLMEngine(EngineClient):
+class AsyncLLMEngine(CoreProcessReader, EngineClient):
     """``AsyncLLMEngine(engine)``: the engine's core steps in a thread of this process.
     :meth:`with_engine_process`: the core in its own process."""
 
-    def __init__(self, engine: LLMEngine | None = None, *, _process=None, _plugin_manager=None) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, _process=None, _plugin_manager=None,
+                 _supervisor: CoreSupervisor | None = None) -> None:
         if (engine is None) == (_process is None):
             raise ValueError("give an LLMEngine (or use AsyncLLMEngine.with_engine_process)")
         self._core: EngineCore | None = engine.core if engine is not None else None
@@ -147,21 +150,24 @@ class AsyncLLMEngine(EngineClient):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dead_error: BaseException | None = None
+        self._supervisor = _supervisor  # restarts a dead core process (--restart-engine-on-failure), or None
+        self._restart_cause: BaseException | None = None  # set while a restarted core loads
         self.num_steps = 0
         # called in the engine thread after every step that computed tokens; must be quick
         self._step_listeners: list[Callable[[StepStats], None]] = []
 
     @classmethod
-    def with_engine_process(cls, config: EngineConfig, plugin_manager=None) -> AsyncLLMEngine:
+    def with_engine_process(cls, config: EngineConfig, plugin_manager=None,
+                            restart_policy: RestartPolicy | None = None) -> AsyncLLMEngine:
         """Start the engine core in its own process (loading the model there) and
         return the client for it. Plugins load from the ``ember`` entry points in both
-        processes; ``plugin_manager`` (else one made from ``config``) serves this side."""
-        from ember.engine.core_process import EngineCoreProcess
-
+        processes; ``plugin_manager`` (else one made from ``config``) serves this side.
+        ``restart_policy``: a core that dies is replaced in place (`ember.engine.supervisor`)."""
         pm = plugin_manager or create_plugin_manager(disabled=config.disabled_plugins, required=config.required_plugins)
         process = EngineCoreProcess(config)
         process.config = config
-        return cls(_process=process, _plugin_manager=pm)
+        supervisor = CoreSupervisor(config, restart_policy) if restart_policy is not None else None
+        return cls(_process=process, _plugin_manager=pm, _supervisor=supervisor)
 
     # -- lifecycle ------------------------------------------------------------
     @property
@@ -187,11 +193,20 @@ class AsyncLLMEngine(EngineClient):
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead_error is None
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and self._dead_error is None and self._restart_cause is None
 
     @property
     def dead_error(self) -> BaseException | None:
         return self._dead_error
+
+    @property
+    def restart_cause(self) -> BaseException | None:
+        return self._restart_cause
+
+    @property
+    def num_restarts(self) -> int:
+        return self._supervisor.num_restarts if self._supervisor is not None else 0
 
     # -- requests -------------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
@@ -225,6 +240,8 @@ class AsyncLLMEngine(EngineClient):
         adapter's name (`UnknownAdapterError` for another).
         """
         if not self.is_running:
+            if (cause := self._restart_cause) is not None:
+                raise EngineDeadError(f"the engine core is restarting after it died ({cause}); retry in a few seconds")
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         if adapter is not None and adapter not in self._adapters:
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded; loaded adapters: "
@@ -301,7 +318,10 @@ class AsyncLLMEngine(EngineClient):
             else:
                 self._process.add(command)
         except (OSError, ValueError) as exc:  # the pipe is closed: the core is gone
-            self._die(exc)
+            if isinstance(command, EngineCoreRequest):  # (the reader ends the others, or restarts the core)
+                self._fail([command.request_id], EngineDeadError(f"the engine-core process is gone: {exc!r}"))
+            if self._supervisor is None:
+                self._die(exc)
 
     def abort_all(self, reason: str) -> int:
         """End every request in flight with `RequestAbortedError(reason)` (its caller sees
@@ -329,20 +349,7 @@ class AsyncLLMEngine(EngineClient):
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_with_offsets(self, text: str, keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
-        # A fast tokenizer's encoding gives just the offsets asked for (a list of 2 M
-        # offsets would hold the GIL for a second).
-        tokenizer = self.tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
-            num_tokens = len(encoding)
-            start = max(0, num_tokens - keep_last)
-            offsets = [encoding.token_to_chars(i) or (0, 0) for i in range(start, num_tokens)]  # None: a special token
-            return num_tokens, encoding.ids[start:], offsets
-        encoding = tokenizer(text, return_offsets_mapping=True)
-        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-        start = max(0, len(ids) - keep_last)
-        return len(ids), ids[start:], offsets[start:]
+        return encode_with_offsets(self.tokenizer, text, keep_last)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -429,36 +436,6 @@ class AsyncLLMEngine(EngineClient):
                 core.add_request(command)
             except ValueError as exc:
                 self._fail([command.request_id], exc)
-
-    # -- the reader thread: the core in its own process -----------------------------------
-    def _run_reader(self) -> None:
-        process = self._process
-        try:
-            while not self._stop.is_set():
-                try:
-                    message = process.recv(0.5)
-                except (EOFError, OSError):
-                    if self._stop.is_set():
-                        return
-                    raise EngineDeadError(
-                        f"the engine-core process exited (exit code {process.process.exitcode})"
-                    ) from None
-                if message is None:
-                    continue
-                kind = message[0]
-                if kind == "outputs":
-                    self._handle(message[1])
-                elif kind == "stats":
-                    self._stats = message[1]
-                elif kind == "add_failed":
-                    self._fail([message[1]], ValueError(message[2]))
-                elif kind == "step_failed":
-                    self._fail(message[2], RuntimeError(f"engine step failed: {message[1]}"))
-                elif kind == "fatal":  # the core stopped for good (a parallel worker died)
-                    raise EngineDeadError(f"engine stopped: {message[1]}")
-        except BaseException as exc:
-            logger.error("engine core lost: %s", exc)
-            self._die(exc)
 
     # -- both ----------------------------------------------------------------------------
     def _handle(self, core_outputs: EngineCoreOutputs) -> None:

@@ -136,6 +136,17 @@ class EngineClient(ABC):
     def dead_error(self) -> BaseException | None:
         """Why the engine stopped on its own, or None."""
 
+    @property
+    def restart_cause(self) -> BaseException | None:
+        """Why the engine core is being restarted now (``--restart-engine-on-failure``), or
+        None; `is_running` is False meanwhile."""
+        return None
+
+    @property
+    def num_restarts(self) -> int:
+        """Engine-core restarts since start."""
+        return 0
+
     # -- requests --------------------------------------------------------------------
     @abstractmethod
     def generate(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -25,12 +26,22 @@ import torch
 
 from ember.config import EngineConfig
 from ember.engine.adapters import apply_adapter_command
-from ember.engine.client import ModelInfo
+from ember.engine.client import EngineStats, ModelInfo
 from ember.engine.core import EngineCore
-from ember.errors import EngineFatalError
+from ember.errors import EngineDeadError, EngineFatalError
 from ember.sched.request import RequestStatus
 
 logger = logging.getLogger("ember.engine.core")  # the core's log lines, whichever process it runs in
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``exit code -9`` as an operator reads it: the signal's name when one killed it."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
 
 
 def _core_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -165,3 +176,62 @@ class EngineCoreProcess:
             self.process.kill()
             self.process.join(5)
         self.conn.close()
+
+
+class CoreProcessReader:
+    """`AsyncLLMEngine`'s side of a core in a process (a mixin: it uses the engine's
+    ``_process``, ``_handle``, ``_fail``, ``_die``, ``_supervisor``): the reader thread
+    that hands the core's messages on, and notices at once when the process is gone (the
+    pipe's EOF) — then the server stops, or a supervisor restarts the core in place."""
+
+    def _run_reader(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    message = self._process.recv(0.5)
+                except (EOFError, OSError):
+                    if self._stop.is_set():
+                        return
+                    self._process.process.join(1)  # EOF comes as it exits: reap it for its exit code
+                    exit_code = self._process.process.exitcode
+                    self._core_lost(EngineDeadError(f"the engine-core process exited ({describe_exit(exit_code)})"))
+                    continue
+                if message is None:
+                    continue
+                kind = message[0]
+                if kind == "outputs":
+                    self._handle(message[1])
+                elif kind == "stats":
+                    self._stats = message[1]
+                elif kind == "add_failed":
+                    self._fail([message[1]], ValueError(message[2]))
+                elif kind == "step_failed":
+                    self._fail(message[2], RuntimeError(f"engine step failed: {message[1]}"))
+                elif kind == "fatal":  # the core stops for good (a parallel worker died)
+                    self._core_lost(EngineDeadError(f"engine stopped: {message[1]}"))
+        except BaseException as exc:
+            logger.error("engine core lost: %s", exc)
+            self._die(exc)
+
+    def _core_lost(self, cause: EngineDeadError) -> None:
+        """The core process is gone: raise ``cause`` (the server stops), or with a supervisor
+        end the requests it held and start a fresh core (/health 503 meanwhile)."""
+        if self._supervisor is None:
+            raise cause
+        self._restart_cause = cause
+        with self._lock:
+            held = list(self._streams)
+        self._fail(held, cause)
+        try:
+            process = self._supervisor.replace(self._process, cause)
+        except Exception as exc:
+            raise EngineDeadError(f"{cause}; restarting the engine core failed: {exc!r}") from exc
+        if process is None:
+            raise EngineDeadError(f"{cause}; no restart left (--max-engine-restarts "
+                                  f"{self._supervisor.policy.max_restarts} within an hour)")
+        info = self._model_info
+        self._process = process
+        self._stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0, 0)
+        # the new core serves the adapters of its config; those loaded at run time are gone
+        self._adapters = {a.name: a for a in info.lora.adapters} if info.lora is not None else {}
+        self._restart_cause = None

@@ -23,6 +23,25 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 _NORMALIZER_SHRINK = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "NFC": 3, "NFKC": 3}
 
 
+def encode_with_offsets(tokenizer: PreTrainedTokenizerBase, text: str,
+                        keep_last: int) -> tuple[int, list[int], list[tuple[int, int]]]:
+    """The number of tokens of ``text``, and the ids and (start, stop) character offsets
+    of its last ``keep_last`` tokens ((0, 0) for a special token). A fast tokenizer's
+    encoding gives just the offsets asked for (a list of 2 M offsets would hold the GIL
+    for a second)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encoding = backend.encode_batch([text], add_special_tokens=True)[0]  # releases the GIL
+        num_tokens = len(encoding)
+        start = max(0, num_tokens - keep_last)
+        offsets = [encoding.token_to_chars(i) or (0, 0) for i in range(start, num_tokens)]  # None: a special token
+        return num_tokens, encoding.ids[start:], offsets
+    encoding = tokenizer(text, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    start = max(0, len(ids) - keep_last)
+    return len(ids), ids[start:], offsets[start:]
+
+
 def max_chars_per_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """An upper bound on the characters of text behind one token, or None if this
     tokenizer has none (a text of more than ``n * bound`` characters cannot encode to
