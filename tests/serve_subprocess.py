@@ -9,9 +9,7 @@ process cannot show: its exit code, its own peak RSS).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,16 +23,6 @@ from pathlib import Path
 import httpx
 
 STARTUP_TIMEOUT_S = 120.0  # two interpreters import torch on a loaded 2-core machine
-
-
-def with_context(model_dir: Path, out: Path, max_position_embeddings: int) -> Path:
-    """A copy of ``model_dir`` whose config allows ``max_position_embeddings`` tokens (the
-    tiny test model's 256 end a request before a kill can reach it in flight)."""
-    shutil.copytree(model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    config["max_position_embeddings"] = max_position_embeddings
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def free_port() -> int:
@@ -80,7 +68,8 @@ class ServedProcess:
                 continue
             if b"spawn_main" in cmdline:  # not the resource tracker, also a multiprocessing child
                 return pid
-        raise AssertionError(f"no engine-core child of server {self.process.pid}; children: {children(self.process.pid)}")
+        found = children(self.process.pid)
+        raise AssertionError(f"no engine-core child of server {self.process.pid}; children: {found}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from serve_subprocess import served, with_context
+from serve_subprocess import served
+from tiny_models import with_context
 
 MAX_TOKENS = 1500  # far more than the seconds before the kill can generate: every request is in flight
 SERVE_ARGS = ("--max-total-tokens", "2048", "--max-batch-total-tokens", "65536", "--max-batch-size", "32",
@@ -28,7 +29,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
 # streams add their own "stream" flag
 ROUTES = {
     "chat": ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}),
-    "completions": ("/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0}),
+    "completions": ("/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+                                        "temperature": 0}),
     "tgi": ("/generate", {"inputs": "Once upon a time", "parameters": {"max_new_tokens": MAX_TOKENS}}),
     "anthropic": ("/v1/messages", {"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}),
     "responses": ("/v1/responses", {"model": "m", "input": "Tell me a long story", "max_output_tokens": MAX_TOKENS,
@@ -169,7 +171,8 @@ def _wait_exit(server, timeout: float = 30) -> int:
     try:
         return server.process.wait(timeout)  # well within --graceful-termination-timeout 20 + uvicorn's 5
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the server still runs {timeout} s after the kill; its log:\n{server.log()[-3000:]}") from None
+        log = server.log()[-3000:]
+        raise AssertionError(f"the server still runs {timeout} s after the kill; its log:\n{log}") from None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["sigkill", "sigsegv"])
