@@ -101,6 +101,21 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="a request whose grammar takes longer to compile gets a 400 (default: 60) [EMBER_GRAMMAR_COMPILE_TIMEOUT]",
     )
     group.add_argument(
+        "--grammar-compile-workers", metavar="N", type=int, default=None,
+        help="worker processes that compile grammars, at lowered priority, each killed at the timeout "
+        "(default: 1; docs/grammar.md) [EMBER_GRAMMAR_COMPILE_WORKERS]",
+    )
+    group.add_argument(
+        "--grammar-compile-memory", metavar="MIB", type=int, default=None,
+        help="memory one grammar compile may add to its worker process before it is stopped (default: 2048) "
+        "[EMBER_GRAMMAR_COMPILE_MEMORY]",
+    )
+    group.add_argument(
+        "--grammar-limits", metavar="KEY=VALUE,...", default=None,
+        help="size limits on constraints, checked before compiling: properties, enum_values, depth, "
+        "pattern_length, schema_bytes (defaults 256, 1024, 32, 2048, 262144; docs/grammar.md) [EMBER_GRAMMAR_LIMITS]",
+    )
+    group.add_argument(
         "--grammar-repetition-limit", metavar="N", type=int, default=None,
         help="in constrained outputs, mask the token that would extend a run of N tokens repeating in a string, "
         "number or whitespace (default: 12; 0: off; docs/grammar.md) [EMBER_GRAMMAR_REPETITION_LIMIT]",
@@ -246,6 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
 
+    chat = commands.add_parser(
+        "chat", parents=[common], help="chat in the terminal with a model or a running server",
+        description="An interactive chat: with --url, a running server's; else the model is loaded here. "
+        "/help lists the commands; Ctrl-C stops an answer, Ctrl-D leaves.",
+    )
+    add_chat_arguments(chat)
+    add_engine_arguments(chat)
+    add_backend_arguments(chat)
+    add_sampling_arguments(chat)
+    chat.set_defaults(handler=run_chat)
+
     download = commands.add_parser(
         "download", parents=[common], help="make a model available locally and print its path",
         description="Resolve MODEL_ID (directory, .gguf file, HF cache, the default model from "
@@ -261,17 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", parents=[common], help="serve the TGI- and OpenAI-compatible HTTP API",
         description="Load a model and serve it over HTTP (TGI and OpenAI routes, SSE streaming). "
         "Limits left unset are derived from the model and the KV cache.",
-    chat = commands.add_parser(
-        "chat", parents=[common], help="chat in the terminal with a model or a running server",
-        description="An interactive chat: with --url, a running server's; else the model is loaded here. "
-        "/help lists the commands; Ctrl-C stops an answer, Ctrl-D leaves.",
-    )
-    add_chat_arguments(chat)
-    add_engine_arguments(chat)
-    add_backend_arguments(chat)
-    add_sampling_arguments(chat)
-    chat.set_defaults(handler=run_chat)
-
     )
     add_engine_arguments(serve)
     add_backend_arguments(serve)

@@ -34,8 +34,10 @@ from typing import TypeVar
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.observability import GenerationRecord, current
 from ember.api.settings import ResolvedLimits
+from ember.api.structured_outputs import GRAMMAR_ERROR_TYPE
 from ember.engine.client import EngineClient
 from ember.errors import EngineDeadError, RequestAbortedError
+from ember.grammar_limits import GrammarLimitError
 from ember.outputs import OutputKind, RequestOutput
 from ember.plugin.adapter import UnknownAdapterError
 from ember.sampling_params import SamplingParams
@@ -146,9 +148,12 @@ class GenerationService:
             self.release()
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's own checks (vocabulary, context, KV capacity) as a 422."""
+        """The engine's own checks (vocabulary, context, KV capacity) as a 422; a constraint
+        over the grammar size limits as the 400 a grammar that failed to compile gets."""
         try:
             self.client.validate(None, params, prompt_ids)
+        except GrammarLimitError as exc:
+            raise APIError(400, str(exc), GRAMMAR_ERROR_TYPE) from None
         except ValueError as exc:
             raise validation_error(str(exc)) from None
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.api.lora import LoRAModule, lora_modules
+from ember.grammar_limits import GrammarLimits
 
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
 SIZE_PATTERN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
@@ -87,10 +88,15 @@ class ServerSettings:
     # and how long a request may wait for its grammar
     grammar_backend: str = "outlines"
     grammar_compile_timeout: float = 60.0
-    # --reasoning-parser NAME (docs/reasoning.md): chat answers' reasoning as reasoning_content; None: off
+    # compiles isolated from serving (docs/grammar.md): --grammar-compile-workers N, --grammar-compile-memory MIB,
+    # --grammar-limits KEY=VALUE,... (None: the defaults)
+    grammar_compile_workers: int = 1
+    grammar_compile_memory: int = 2048
+    grammar_limits: str | None = None
     # constrained outputs that close (docs/grammar.md): --grammar-repetition-limit N (0: off), --disable-grammar-budget
     grammar_repetition_limit: int = 12
     disable_grammar_budget: bool = False
+    # --reasoning-parser NAME (docs/reasoning.md): chat answers' reasoning as reasoning_content; None: off
     reasoning_parser: str | None = None
     # --tool-call-parser NAME (docs/grammar.md): the parser of `tool_choice: "auto"` answers; None: the chat template's
     tool_call_parser: str | None = None
@@ -192,13 +198,18 @@ class ServerSettings:
                              "the adapters running at once are held in host memory too")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
+        for name in ("grammar_compile_workers", "grammar_compile_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        GrammarLimits.parse(self.grammar_limits)  # ValueError naming --grammar-limits
+        limit = self.grammar_repetition_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"--grammar-repetition-limit must be an integer >= 0 (0: off), got {limit!r}")
         if self.max_stop_sequences < 0:
             raise ValueError(f"--max-stop-sequences must be >= 0, got {self.max_stop_sequences}")
         if self.kv_cache_memory is not None and self.max_batch_total_tokens is not None:
             raise ValueError(
-        limit = self.grammar_repetition_limit
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ValueError(f"--grammar-repetition-limit must be an integer >= 0 (0: off), got {limit!r}")
                 f"give --kv-cache-memory ({self.kv_cache_memory} bytes) or --max-batch-total-tokens "
                 f"({self.max_batch_total_tokens} tokens), not both: each sizes the KV cache"
             )
@@ -372,6 +383,11 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
         kwargs["enforce_eager"] = True
     kwargs["grammar_backend"] = settings.grammar_backend
     kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
+    kwargs["grammar_compile_workers"] = settings.grammar_compile_workers
+    kwargs["grammar_compile_memory_mb"] = settings.grammar_compile_memory
+    kwargs["grammar_limits"] = GrammarLimits.parse(settings.grammar_limits)
+    kwargs["grammar_repetition_limit"] = settings.grammar_repetition_limit
+    kwargs["grammar_budget"] = not settings.disable_grammar_budget
     if settings.quantize is not None:
         kwargs["quantize"] = settings.quantize
     if settings.dequantize:
@@ -379,8 +395,6 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
     if settings.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
     if settings.model_impl != "auto":
-    kwargs["grammar_repetition_limit"] = settings.grammar_repetition_limit
-    kwargs["grammar_budget"] = not settings.disable_grammar_budget
         kwargs["model_impl"] = settings.model_impl
     if settings.lora_enabled:
         kwargs.update(

@@ -130,6 +130,13 @@ class EngineConfig:
     # and how long a request waits for its grammar to compile before it fails.
     grammar_backend: str = "outlines"
     grammar_compile_timeout_s: float = 60.0
+    # Compiles isolated from serving (docs/grammar.md): worker processes (lowered
+    # priority, killed at the timeout), the memory one compile may add to its worker,
+    # and the size limits checked before compiling (an ember.grammar_limits.GrammarLimits
+    # or its "KEY=VALUE,..." text; None: the defaults)
+    grammar_compile_workers: int = 1
+    grammar_compile_memory_mb: int = 2048
+    grammar_limits: Any = None
     # Constrained outputs that close (docs/grammar.md): keep each closable within its
     # max_tokens and context; mask a token that would extend a run of this many repeating
     # tokens in a constrained string or number (0: no bound).
@@ -199,6 +206,7 @@ class EngineConfig:
         limit = self.grammar_repetition_limit
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"grammar_repetition_limit must be an integer >= 0 (0: no bound), got {limit!r}")
+        _grammar_isolation(self)
         if self.quantize is not None and (not isinstance(self.quantize, str) or not self.quantize):
             raise ValueError(f"quantize must be a quantizer's name such as 'int8' or 'int4', got {self.quantize!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -422,3 +430,21 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _grammar_isolation(config: EngineConfig) -> None:
+    """Check the compile workers and memory, and make ``grammar_limits`` a GrammarLimits."""
+    from ember.grammar_limits import GrammarLimits
+
+    for name in ("grammar_compile_workers", "grammar_compile_memory_mb"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    limits = config.grammar_limits
+    if limits is None or isinstance(limits, str):
+        limits = GrammarLimits.parse(limits)
+    elif isinstance(limits, Mapping):
+        limits = GrammarLimits(**limits)
+    elif not isinstance(limits, GrammarLimits):
+        raise ValueError(f"grammar_limits must be a GrammarLimits, a mapping or 'KEY=VALUE,...', got {limits!r}")
+    object.__setattr__(config, "grammar_limits", limits)

@@ -12,6 +12,7 @@ Module map:
     parallel_sampling n / best_of: child requests of one prompt
     beam_search       BeamSearchParams and the beam search over LLMEngine
     grammar_manager   grammar compiles off the step, waiting requests, one matcher per constrained request
+    grammar_workers   grammar compiles in worker processes (priority, limits, killed at the timeout)
     grammar_guard     per constrained request: the closing budget, the repetition bound, reasoning before the grammar
     speculative       SpeculativeDecoder: asks the speculator for drafts and learns from what was accepted
     tool_calls        tools on a chat: checks, forced calls through a grammar, the chat template

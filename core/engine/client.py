@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ember.errors import EngineDeadError, EngineFatalError, RequestAbortedError  # noqa: F401  (callers import them from here too)
+from ember.grammar_limits import GrammarLimits
 from ember.outputs import OutputKind, PoolingOutput
 from ember.pooling_params import PoolingDefaults, PoolingParams
 from ember.sampling_params import SamplingParams
@@ -74,6 +75,8 @@ class ModelInfo:
     lora: LoRAInfo | None = None  # adapters (docs/lora.md); None when off
     # what a pooling request's open fields become, Matryoshka support, embedding size (docs/embeddings.md)
     pooling: PoolingDefaults = PoolingDefaults()
+    # the size limits a constraint is checked against before it compiles (docs/grammar.md)
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
     def num_kv_cache_tokens(self) -> int:

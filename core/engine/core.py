@@ -204,6 +204,7 @@ class EngineCore:
             GrammarContext(self.tokenizer, self.hf_config.vocab_size, tuple(self.eos_token_ids)),
             config.grammar_backend, config.grammar_compile_timeout_s,
             GuardSettings(config.grammar_budget, config.grammar_repetition_limit),
+            config.grammar_compile_workers, config.grammar_compile_memory_mb,
         )
         self._pending_groups: dict[str, _PendingGroup] = {}
         self.last_step_stats: StepStats | None = None
@@ -216,7 +217,8 @@ class EngineCore:
         gc.freeze()
 
     def close(self) -> None:
-        """Stop the parallel workers, if any (idempotent; a single-process core holds nothing)."""
+        """Stop the parallel workers and the grammar compile workers, if any (idempotent)."""
+        self.grammar.close()
         if self.parallel is not None:
             self.parallel.close()
 
@@ -247,7 +249,7 @@ class EngineCore:
             block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks,
             lora=None if self.adapters is None else self.adapters.info(self.config.max_loras),
-            pooling=self.pooling,
+            pooling=self.pooling, grammar_limits=self.config.grammar_limits,
         )
 
     def stats(self) -> EngineStats:

@@ -2,15 +2,17 @@
 holds requests until their grammar is ready, and keeps one matcher per running
 constrained request.
 
-* **Compiling** runs on worker threads (outlines-core and xgrammar release the GIL
-  while they compile), never on the step. Compiled grammars are cached by (backend,
-  constraint); the manager belongs to one engine, so to one tokenizer. A request
-  whose constraint is in the cache, compiled or still compiling, shares that work.
+* **Compiling** runs in worker processes (`ember.engine.grammar_workers`: lowered
+  priority, a memory limit, killed at the timeout) for a backend whose grammars
+  serialize (both built-in ones), else on worker threads; never on the step. Compiled
+  grammars are cached by (backend, constraint); the manager belongs to one engine, so
+  to one tokenizer. A request whose constraint is in the cache, compiled or still
+  compiling, shares that work.
 * **Waiting**: a constrained request stays here, outside the scheduler, until its
   grammar is compiled; the step goes on for the others. A compile error, or a compile
-  slower than ``compile_timeout_s``, ends only that request, with the message (the
-  compile itself runs on: a thread cannot be stopped, and a later request for the same
-  constraint finds its result).
+  still running ``compile_timeout_s`` after it started, ends only that request, with
+  the message. A worker's compile is then stopped (its process killed) unless another
+  request waits for it; a thread's runs on (a thread cannot be stopped).
 * **Fallback**: a request that names no backend and whose constraint the default
   backend refuses (a kind it does not compile, a schema keyword it cannot enforce) is
   compiled by the first other registered backend (by name) that accepts it, and the
@@ -45,10 +47,12 @@ import numpy as np
 import torch
 
 from ember.engine.grammar_guard import GuardedMatcher, GuardSettings, Vocab
+from ember.engine.grammar_workers import CompilePool
 from ember.plugin.grammar import (
     BaseCompiledGrammar,
     BaseGrammarBackend,
     Constraint,
+    GrammarCompileTimeout,
     GrammarContext,
     GrammarError,
     UnsupportedFeatureError,
@@ -77,7 +81,7 @@ class GrammarManager:
 
     def __init__(
         self, registry: Registry, context: GrammarContext, default_backend: str, compile_timeout_s: float,
-        guard: GuardSettings = GuardSettings(),
+        guard: GuardSettings = GuardSettings(), num_workers: int = 1, worker_memory_mb: int = 2048,
     ) -> None:
         self.registry = registry
         self.guard = guard
@@ -86,6 +90,9 @@ class GrammarManager:
         self.default_backend = default_backend
         self.compile_timeout_s = compile_timeout_s
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first constraint
+        self.num_workers = num_workers
+        self.worker_memory_mb = worker_memory_mb
+        self.pool: CompilePool | None = None  # the worker processes, started by the first constraint
         self._backends: dict[str, BaseGrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, Constraint, bool], concurrent.futures.Future] = OrderedDict()
@@ -134,6 +141,11 @@ class GrammarManager:
         if future is not None:
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
+        elif cls.serializes_grammars:
+            future = self._compile_pool().submit(
+                cls.name, params.constraint, tuple(c.name for c in fallbacks), f"{params.constraint.describe()}",
+            )
+            self._cache[key] = future
         else:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(NUM_COMPILE_THREADS, "ember-grammar")
@@ -143,6 +155,36 @@ class GrammarManager:
                 self._cache.popitem(last=False)  # a request waiting on it keeps its future
         description = f"{params.constraint.describe()} (grammar backend {cls.name!r})"
         self.waiting[request_id] = _Waiting(item, future, time.monotonic(), description)
+
+    def _compile_pool(self) -> CompilePool:
+        if self.pool is None:
+            self.pool = CompilePool(
+                dict(self.registry.items()), self.context, self.num_workers, self.compile_timeout_s,
+                self.worker_memory_mb, self._load, self._count_compile,
+            )
+        return self.pool
+
+    def _load(self, name: str, data: bytes) -> BaseCompiledGrammar:
+        """On a worker's slot thread: a worker's grammar, loaded by this process's instance of its backend."""
+        return self._backend(self.registry.get(name)).load_grammar(data)
+
+    def _count_compile(self, seconds: float) -> None:
+        with self._counter_lock:
+            self.compile_time_s += seconds
+            self.num_compiles += 1
+
+    def close(self) -> None:
+        """Stop the compile workers (their processes end; idempotent)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _backend(self, cls: type[BaseGrammarBackend]) -> BaseGrammarBackend:
+        with self._backend_lock:
+            backend = self._backends.get(cls.name)
+            if backend is None:
+                backend = self._backends[cls.name] = cls(self.context)
+        return backend
 
     def _compile(
         self, cls: type[BaseGrammarBackend], constraint: Constraint, fallbacks: list[type[BaseGrammarBackend]],
@@ -164,10 +206,7 @@ class GrammarManager:
             raise
 
     def _compile_with(self, cls: type[BaseGrammarBackend], constraint: Constraint) -> BaseCompiledGrammar:
-        with self._backend_lock:
-            backend = self._backends.get(cls.name)
-            if backend is None:
-                backend = self._backends[cls.name] = cls(self.context)
+        backend = self._backend(cls)
         started = time.perf_counter()
         try:
             return backend.compile(constraint)
@@ -197,6 +236,11 @@ class GrammarManager:
                 if exc is None:
                     ready.append((waiting.item, future.result()))
                     continue
+                if isinstance(exc, GrammarCompileTimeout):  # stopped in its worker: the machine may have been busy
+                    self.num_compile_timeouts += 1
+                    self._forget(future)
+                    failed.append((waiting.item, str(exc)))
+                    continue
                 self.num_compile_errors += 1
                 if isinstance(exc, GrammarError):
                     failed.append((waiting.item, str(exc)))
@@ -205,14 +249,33 @@ class GrammarManager:
                 logger.error("grammar backend failed to compile %s", waiting.description, exc_info=exc)
                 self._forget(future)
                 failed.append((waiting.item, f"compiling {waiting.description} failed: {exc!r}"))
-            elif now - waiting.submitted_at > self.compile_timeout_s:
+            elif now - self._started_at(waiting) > self.compile_timeout_s:
                 del self.waiting[request_id]
                 self.num_compile_timeouts += 1
+                self._give_up(future, stop=True)
                 failed.append((waiting.item, (
                     f"compiling {waiting.description} took longer than {self.compile_timeout_s:g} s "
-                    "(grammar_compile_timeout_s)"
+                    "(--grammar-compile-timeout, grammar_compile_timeout_s)"
                 )))
         return ready, failed
+
+    def _started_at(self, waiting: _Waiting) -> float:
+        """When the request's compile began: a worker's, once it left the queue (a
+        queued one has not begun); a thread's, at submission."""
+        if self.pool is None or waiting.future not in self.pool._jobs:
+            return waiting.submitted_at
+        started = self.pool.started_at(waiting.future)
+        return time.monotonic() if started is None else max(started, waiting.submitted_at)
+
+    def _give_up(self, future: concurrent.futures.Future, stop: bool) -> None:
+        """No request waits for ``future`` any more: a worker's queued compile is dropped,
+        and a running one stopped when ``stop`` (a timeout, not an abort, whose
+        constraint may come again)."""
+        if self.pool is None or any(w.future is future for w in self.waiting.values()):
+            return
+        if future.cancel() or stop:
+            self.pool.abandon(future)
+            self._forget(future)
 
     def _forget(self, future: concurrent.futures.Future) -> None:
         for key, cached in list(self._cache.items()):
@@ -225,7 +288,10 @@ class GrammarManager:
     def discard(self, request_id: str) -> Any | None:
         """Stop holding a request (aborted); its item, or None if it was not held."""
         waiting = self.waiting.pop(request_id, None)
-        return None if waiting is None else waiting.item
+        if waiting is None:
+            return None
+        self._give_up(waiting.future, stop=False)
+        return waiting.item
 
     # -- matchers --------------------------------------------------------------
     def add_matcher(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ember.engine.client import ModelInfo
+from ember.grammar_limits import check_constraint
 from ember.sampling_params import SamplingParams
 from ember.sched.request import check_priority, check_request_fits
 
@@ -59,6 +60,8 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         check_priority(priority)
         self.validate_params(params)
+        if params.constraint is not None:
+            check_constraint(params.constraint, self.info.grammar_limits)
         if prompt_token_ids is None:
             if prompt is None or (isinstance(prompt, str) and not prompt):
                 raise ValueError("prompt is empty: give a non-empty prompt or prompt_token_ids")

@@ -8,7 +8,8 @@ against the served model's tokenizer (:class:`GrammarContext`) and compiles a
 constraint into a :class:`BaseCompiledGrammar`; that makes one
 :class:`BaseGrammarMatcher` per request, which says which tokens may come next and
 follows the tokens the request emits. The engine (``ember.engine.grammar_manager``) compiles
-on a worker thread, caches what it compiled, and calls matchers directly on its own
+in a worker process (a backend whose grammars serialize, `serializes_grammars`) or on a
+worker thread, caches what it compiled, and calls matchers directly on its own
 thread: nothing per token goes through a hook.
 
 Masks are packed bitmasks, as outlines-core, xgrammar and llguidance write them: a
@@ -209,6 +210,22 @@ class BaseGrammarBackend(abc.ABC):
         """Compile ``constraint`` (one of ``supported_kinds``). Raises GrammarError for
         an invalid constraint and UnsupportedFeatureError naming what the backend
         cannot express; never returns a grammar looser than the constraint."""
+
+    # -- optional: compiled grammars that cross a process boundary -----------------------
+    #: whether `dump_grammar` and `load_grammar` are implemented: the engine then compiles
+    #: in a worker process (lowered priority, memory limit, killed at the timeout) and
+    #: loads the result in its own; otherwise it compiles on a thread of its own process
+    serializes_grammars: ClassVar[bool] = False
+
+    def dump_grammar(self, grammar: BaseCompiledGrammar) -> bytes:
+        """``grammar`` (compiled by this backend, in a worker process) as bytes for `load_grammar`."""
+        raise NotImplementedError(f"grammar backend {self.name!r} does not serialize grammars")
+
+    def load_grammar(self, data: bytes) -> BaseCompiledGrammar:
+        """The grammar `dump_grammar` wrote, usable as if this backend had compiled it
+        (called in the engine's process, on an instance built against the same tokenizer:
+        cheap next to compiling)."""
+        raise NotImplementedError(f"grammar backend {self.name!r} does not serialize grammars")
 
     @classmethod
     def check_kind(cls, constraint: Constraint) -> None:

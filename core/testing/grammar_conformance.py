@@ -18,7 +18,8 @@ equals advancing by each; a rejected token stops `accept_tokens` and leaves the 
 where it was; rollback restores the earlier masks. A matcher that ``supports_budget``
 is walked within random budgets from `min_tokens_to_end` up: every walk must end
 complete within its budget (EOS counted), each budget mask a part of the full mask,
-equal to it when the budget is large. Kinds it does not support, and
+equal to it when the budget is large. A backend that ``serializes_grammars`` must load
+what it dumped into a grammar with the same masks (walked again). Kinds it does not support, and
 schema keywords it cannot enforce, must raise UnsupportedFeatureError naming them;
 an invalid regex or schema a GrammarError. Raises AssertionError describing the first
 broken rule.
@@ -235,6 +236,26 @@ class _Checker:
             for i in range(self.num_walks):
                 self.walk(grammar, case, f"{where} walk {i}")
 
+    def check_serialization(self) -> None:
+        """A backend that ``serializes_grammars``: each grammar, written by `dump_grammar` and
+        read by `load_grammar` of another instance (as in the engine's process), masks as
+        the original and walks to valid outputs."""
+        if not self.cls.serializes_grammars:
+            return
+        name, loader = self.cls.name, self.cls(self.context)
+        for case in _cases(self.cls.supported_kinds):
+            where = f"{case.constraint.describe(40)} (dumped and loaded)"
+            grammar = self.backend.compile(case.constraint)
+            data = self.backend.dump_grammar(grammar)
+            assert isinstance(data, bytes), f"{name}: {where}: dump_grammar returned {type(data).__name__}, not bytes"
+            loaded = loader.load_grammar(data)
+            assert isinstance(loaded, BaseCompiledGrammar), f"{name}: {where}: load_grammar returned {loaded!r}"
+            assert np.array_equal(self.allowed(loaded.create_matcher()), self.allowed(grammar.create_matcher())), (
+                f"{name}: {where}: the loaded grammar's first mask differs from the compiled one's"
+            )
+            for i in range(min(self.num_walks, 3)):
+                self.walk(loaded, case, f"{where} walk {i}")
+
     def check_budget(self) -> None:
         for case in _cases(self.cls.supported_kinds):
             grammar = self.backend.compile(case.constraint)
@@ -373,5 +394,6 @@ def check_grammar_backend(
     checker = _Checker(cls, GrammarContext(tokenizer, vocab_size, tuple(eos_token_ids)), num_walks, seed,
                        strict_utf8)
     checker.check_cases()
+    checker.check_serialization()
     checker.check_budget()
     checker.check_refusals()

@@ -24,6 +24,7 @@ once, every state's distance in tokens to an end (`token_distance`).
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Sequence
 
 import torch
@@ -60,12 +61,16 @@ MAX_ROLLBACK_TOKENS = 1 << 16  # the Guide keeps this many past states (a few by
 
 
 class OutlinesGrammar(BaseCompiledGrammar):
-    def __init__(self, index, context: GrammarContext) -> None:
+    def __init__(self, index, context: GrammarContext, distances: token_distance.TokenDistances | None | bool = False,
+                 ) -> None:
         self.index = index
         self.eos_token_ids = context.eos_token_ids
         self.num_words = context.num_mask_words
-        # None for an index too large to measure (token_distance.MAX_TRANSITIONS)
-        self.distances = token_distance.measure(index.get_transitions(), index.get_final_states(), self.eos_token_ids)
+        # None for an index too large to measure (token_distance.MAX_TRANSITIONS); measured
+        # here unless given (a grammar loaded from a compile worker brings its own)
+        if distances is False:
+            distances = token_distance.measure(index.get_transitions(), index.get_final_states(), self.eos_token_ids)
+        self.distances = distances
         # per final state: whether it allows nothing but EOS (computed when first reached)
         self._is_end_state: dict[int, bool] = {}
 
@@ -183,6 +188,16 @@ class OutlinesBackend(BaseGrammarBackend):
         except ValueError as exc:
             raise GrammarError(f"outlines cannot compile {constraint.describe()}: {exc}") from None
         return OutlinesGrammar(index, self.context)
+
+    # a grammar is its Index (outlines-core pickles it as its binary form) and its distances (numpy arrays)
+    serializes_grammars = True
+
+    def dump_grammar(self, grammar: OutlinesGrammar) -> bytes:
+        return pickle.dumps((grammar.index, grammar.distances), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def load_grammar(self, data: bytes) -> OutlinesGrammar:
+        index, distances = pickle.loads(data)
+        return OutlinesGrammar(index, self.context, distances)
 
     def to_regex(self, constraint: Constraint) -> str:
         """The regular expression outlines-core compiles for ``constraint``."""

@@ -145,7 +145,7 @@ class XGrammarBackend(BaseGrammarBackend):
         super().__init__(context)
         # Ember's own decoding of the vocabulary (ember.plugin.grammar_vocab), as outlines gets
         # it: special tokens and padding ids are empty strings, which xgrammar never allows.
-        info = xgrammar.TokenizerInfo(
+        info = self.tokenizer_info = xgrammar.TokenizerInfo(
             [data or b"" for data in context.token_bytes], xgrammar.VocabType.RAW,
             vocab_size=context.vocab_size, stop_token_ids=list(context.eos_token_ids),
         )
@@ -174,6 +174,18 @@ class XGrammarBackend(BaseGrammarBackend):
         except (RuntimeError, ValueError) as exc:
             message = _LOCATION.sub("", str(exc).strip().split("\n")[0])
             raise GrammarError(f"xgrammar cannot compile {constraint.describe()}: {message}") from None
+        return XGrammarGrammar(compiled, self.context, self.closing_vocab)
+
+    # xgrammar writes a compiled grammar as JSON and reads it back against the same tokenizer info
+    serializes_grammars = True
+
+    def dump_grammar(self, grammar: XGrammarGrammar) -> bytes:
+        return grammar.compiled.serialize_json().encode()
+
+    def load_grammar(self, data: bytes) -> XGrammarGrammar:
+        import xgrammar
+
+        compiled = xgrammar.CompiledGrammar.deserialize_json(data.decode(), self.tokenizer_info)
         return XGrammarGrammar(compiled, self.context, self.closing_vocab)
 
 
