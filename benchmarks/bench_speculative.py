@@ -1,17 +1,21 @@
-"""Speculative decoding on SmolLM2 (issue 17): n-gram prompt lookup against plain
-decoding, in one run, on input-grounded tasks (edit a given snippet, quote a given
-passage, summarise with quotations), 16 prompts.
+"""Speculative decoding on SmolLM2 (issues 17 and 36): n-gram prompt lookup against
+plain decoding, in one run, on input-grounded tasks (edit a given snippet, quote a
+given passage, summarise with quotations; 16 prompts) and on open prompts with
+nothing to copy (8 prompts).
 
-1. Batch 1: each prompt alone, greedy, with and without ``ngram``, the two arms
-   alternating prompt by prompt (so the machine's noise falls on both); tokens/s of
-   each arm over all prompts, their ratio, the acceptance rate and the mean accepted
-   length, and how many outputs are identical (outside batch-invariant mode a
-   verification's larger products can flip a near-tie; see docs/speculative.md).
-2. 32 concurrent requests (the 16 prompts twice, one ``generate`` call), with and
+1. Batch 1: each prompt alone, greedy, in three arms alternating prompt by prompt (so
+   the machine's noise falls on all): plain, ``ngram`` cost-aware (the default: drafts
+   only where the measured step costs and the acceptance say they pay;
+   docs/speculative.md) and ``ngram_fixed`` (``cost_aware: false``, the old schedule:
+   every proposal verified). Per prompt set: tokens/s of each arm, the ratios to plain,
+   the acceptance rate, mean accepted length, the cost-aware arm's mean drafts per
+   decode step and fraction of steps with drafts, and how many outputs are identical
+   (outside batch-invariant mode a verification's larger products can flip a near-tie).
+2. 32 concurrent requests (the grounded prompts twice, one ``generate`` call), with and
    without speculation: throughput ratio (speculation steps aside from
    ``disable_by_batch_size`` running requests).
 
-    python benchmarks/bench_speculative.py [--dtype auto] [--max-tokens 128] [--out result.json]
+    python benchmarks/bench_speculative.py [--dtype auto|float32|bfloat16] [--max-tokens 128] [--out result.json]
 
 Prints the figures with the machine (lscpu model name and flags) and writes JSON.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,6 +79,73 @@ TASKS = [
 ]
 
 
+OPEN = [
+    "Write a short poem about autumn rain in a quiet town.",
+    "Explain in a few sentences why the sky is blue.",
+    "Give three tips for staying focused while studying.",
+    "Tell a short story about a robot who learns to paint.",
+    "What are the benefits of regular exercise? Answer briefly.",
+    "Describe your ideal weekend in a paragraph.",
+    "Why do cats purr? Give a short answer.",
+    "Suggest a name for a bakery and explain the choice.",
+]
+
+
+def _spec_counts(stats) -> dict:
+    d = stats.to_dict()
+    return {k: d[k] for k in ("num_draft_tokens", "num_accepted_tokens", "num_proposals", "num_emitted_tokens",
+                              "num_steps", "num_decode_steps", "num_decode_request_steps", "num_probe_steps")}
+
+
+def batch1(arms: dict, prompts: list, params) -> dict:
+    """Each prompt alone through every arm in turn; tokens/s per arm and each
+    speculative arm's figures over the run."""
+    seconds = dict.fromkeys(arms, 0.0)
+    tokens = dict.fromkeys(arms, 0)
+    identical = dict.fromkeys(arms, 0)
+    spec = {name: llm.engine.core.speculator.stats for name, llm in arms.items() if llm.engine.core.speculator}
+    before = {name: _spec_counts(stats) for name, stats in spec.items()}
+    for prompt in prompts:
+        outs = {}
+        for name, llm in arms.items():
+            start = time.perf_counter()
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0]
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += len(out.token_ids)
+            outs[name] = out.token_ids
+        for name in arms:
+            identical[name] += outs[name] == outs["plain"]
+    result = {"prompts": len(prompts), "tokens": tokens, "seconds": seconds}
+    for name in arms:
+        result[name] = {"tokens_per_s": tokens[name] / seconds[name],
+                        "ratio": tokens[name] / seconds[name] / (tokens["plain"] / seconds["plain"]),
+                        "identical_outputs": identical[name]}
+    for name, stats in spec.items():
+        after = _spec_counts(stats)
+        d = {k: after[k] - before[name][k] for k in after}
+        drafts, proposals = d["num_draft_tokens"], d["num_proposals"]
+        result[name].update(
+            acceptance_rate=d["num_accepted_tokens"] / drafts if drafts else 0.0,
+            mean_accepted_length=d["num_emitted_tokens"] / proposals if proposals else 0.0,
+            mean_drafts_per_decode=drafts / d["num_decode_request_steps"] if d["num_decode_request_steps"] else 0.0,
+            draft_step_fraction=d["num_steps"] / d["num_decode_steps"] if d["num_decode_steps"] else 0.0,
+            probe_steps=d["num_probe_steps"], verifications=proposals, draft_tokens=drafts,
+            steps=tokens[name] - d["num_accepted_tokens"])
+    return result
+
+
+def _print(label: str, result: dict) -> None:
+    plain = result["plain"]["tokens_per_s"]
+    parts = [f"plain {plain:.1f}"]
+    for name, r in result.items():
+        if isinstance(r, dict) and "acceptance_rate" in r:
+            parts.append(f"{name} {r['tokens_per_s']:.1f} (x{r['ratio']:.3f}; acceptance {r['acceptance_rate']:.2f}, "
+                         f"accepted length {r['mean_accepted_length']:.2f}, mean k {r['mean_drafts_per_decode']:.2f}, "
+                         f"drafted steps {r['draft_step_fraction']:.2f}, probes {r['probe_steps']}, "
+                         f"{r['identical_outputs']}/{result['prompts']} identical)")
+    print(f"{label}, batch 1, tok/s: " + "; ".join(parts), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
@@ -82,7 +154,9 @@ def main() -> int:
     parser.add_argument("--schedule", choices=("constant", "heuristic"), default="constant",
                         help="draft_length_schedule of the speculative config")
     parser.add_argument("--max-speculative-tokens", type=int, default=None)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32, help="0: skip the concurrent part")
+    parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts of each set")
+    parser.add_argument("--no-fixed-arm", action="store_true", help="leave out the cost_aware=false arm")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
 
@@ -94,75 +168,46 @@ def main() -> int:
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
             "draft_length_schedule": args.schedule, "max_speculative_tokens": args.max_speculative_tokens}
-    plain = LLM(dtype=args.dtype, max_model_len=2048)
-    fast = LLM(dtype=args.dtype, max_model_len=2048, speculative_config=spec)
-    tokenizer = plain.get_tokenizer()
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": t}])[1] for t in TASKS]
+    arms = {"plain": LLM(dtype=args.dtype, max_model_len=2048),
+            "ngram": LLM(dtype=args.dtype, max_model_len=2048, speculative_config=spec)}
+    if not args.no_fixed_arm:
+        arms["ngram_fixed"] = LLM(dtype=args.dtype, max_model_len=2048,
+                                  speculative_config={**spec, "cost_aware": False})
+    tokenizer = arms["plain"].get_tokenizer()
+
+    def encode(texts):
+        return [encode_chat(tokenizer, [{"role": "user", "content": t}])[1] for t in texts[: args.prompts]]
+
+    grounded, open_prompts = encode(TASKS), encode(OPEN)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for llm in (plain, fast):  # warm-up
-        llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+    for llm in arms.values():  # warm-up
+        llm.generate(prompt_token_ids=grounded[:1], sampling_params=SamplingParams(temperature=0, max_tokens=8))
 
-    seconds = {"plain": 0.0, "ngram": 0.0}
-    tokens = {"plain": 0, "ngram": 0}
-    identical = 0
-    stats = fast.engine.core.speculator.stats
-    before = stats.to_dict()
-    for prompt in prompts:
-        outs = {}
-        for name, llm in (("plain", plain), ("ngram", fast)):
-            start = time.perf_counter()
-            out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0]
-            seconds[name] += time.perf_counter() - start
-            tokens[name] += len(out.token_ids)
-            outs[name] = out.token_ids
-        identical += outs["plain"] == outs["ngram"]
-    after = stats.to_dict()
-    drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    proposals = after["num_proposals"] - before["num_proposals"]
-    emitted = after["num_emitted_tokens"] - before["num_emitted_tokens"]
-    batch1 = {
-        "plain_tokens_per_s": tokens["plain"] / seconds["plain"],
-        "ngram_tokens_per_s": tokens["ngram"] / seconds["ngram"],
-        "tokens": tokens, "seconds": seconds, "identical_outputs": identical, "prompts": len(prompts),
-        "acceptance_rate": accepted / drafts if drafts else 0.0,
-        "mean_accepted_length": emitted / proposals if proposals else 0.0,
-    }
-    batch1["ratio"] = batch1["ngram_tokens_per_s"] / batch1["plain_tokens_per_s"]
-    # Where the ratio comes from: each step emits one token plus its accepted drafts, so
-    # the ngram arm took tokens - accepted steps (prefills included), `proposals` of them
-    # verifications. Were a verification as cheap as a decode step, the ratio would be
-    # the step ratio; the time ratio then says what a verification costs, in decode
-    # steps (prefill time counted as steps of both arms: a slight underestimate).
-    steps = tokens["ngram"] - accepted
-    batch1["steps"] = {"plain": tokens["plain"], "ngram": steps, "verifications": proposals,
-                       "undrafted": steps - proposals}
-    batch1["ratio_if_verification_cost_a_decode_step"] = tokens["plain"] / steps
-    batch1["verification_cost_in_decode_steps"] = (
-        seconds["ngram"] / seconds["plain"] * tokens["plain"] - (steps - proposals)) / proposals if proposals else None
-    print(f"batch 1: {batch1['plain_tokens_per_s']:.1f} -> {batch1['ngram_tokens_per_s']:.1f} tok/s "
-          f"(x{batch1['ratio']:.2f}); acceptance {batch1['acceptance_rate']:.2f}, mean accepted length "
-          f"{batch1['mean_accepted_length']:.2f}; {identical}/{len(prompts)} outputs identical", flush=True)
-    print(f"  steps: {steps} against {tokens['plain']} ({proposals} verifications, {steps - proposals} with nothing "
-          f"to draft): x{batch1['ratio_if_verification_cost_a_decode_step']:.2f} if a verification cost a decode "
-          f"step; it cost {batch1['verification_cost_in_decode_steps'] or 0:.2f}", flush=True)
+    results = {}
+    for label, prompts in (("grounded", grounded), ("open", open_prompts)):
+        results[label] = batch1(arms, prompts, params)
+        _print(label, results[label])
 
-    many = (prompts * (args.concurrency // len(prompts) + 1))[: args.concurrency]
     concurrent = {}
-    for name, llm in (("plain", plain), ("ngram", fast), ("plain_again", plain)):
-        start = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=many, sampling_params=params)
-        elapsed = time.perf_counter() - start
-        concurrent[name] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-    base = (concurrent["plain"] + concurrent["plain_again"]) / 2
-    concurrent["ratio"] = concurrent["ngram"] / base
-    print(f"{args.concurrency} concurrent: {base:.1f} -> {concurrent['ngram']:.1f} tok/s (x{concurrent['ratio']:.3f}; "
-          f"plain measured before and after)", flush=True)
+    if args.concurrency:
+        many = (grounded * (args.concurrency // len(grounded) + 1))[: args.concurrency]
+        for name, llm in (("plain", arms["plain"]), ("ngram", arms["ngram"]), ("plain_again", arms["plain"])):
+            start = time.perf_counter()
+            outs = llm.generate(prompt_token_ids=many, sampling_params=params)
+            elapsed = time.perf_counter() - start
+            concurrent[name] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+        base = (concurrent["plain"] + concurrent["plain_again"]) / 2
+        concurrent["ratio"] = concurrent["ngram"] / base
+        print(f"{args.concurrency} concurrent: {base:.1f} -> {concurrent['ngram']:.1f} tok/s "
+              f"(x{concurrent['ratio']:.3f}; plain measured before and after)", flush=True)
 
+    stats = {name: llm.engine.core.speculator.stats.to_dict() for name, llm in arms.items() if name != "plain"}
+    print(f"step costs learned (ms by batch, query tokens): {stats['ngram']['step_cost_ms']}")
     result = {"machine": machine_info(), "torch": torch.__version__, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "speculative_config": spec, "batch1": batch1, "concurrent": {"requests": args.concurrency, **concurrent},
-              "speculator_stats": stats.to_dict()}
+              "load_average": list(os.getloadavg()), "speculative_config": spec, **results,
+              "concurrent": {"requests": args.concurrency, **concurrent}, "speculator_stats": stats}
     print(f"machine: {result['machine']['cpu_model']}; flags {' '.join(f for f, on in result['machine']['flags'].items() if on)}")
+    print(f"load average at the end: {result['load_average']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -352,6 +352,11 @@ class SpeculativeConfig:
     backoff_steps: int = 16
     draft_length_schedule: str = "constant"
     max_speculative_tokens: int | None = None
+    # cost-aware (docs/speculative.md): per step and request, only the drafts whose
+    # expected tokens per second beat a plain step, by the step costs measured online;
+    # a probe step at most every cost_probe_interval decode steps keeps them measured
+    cost_aware: bool = True
+    cost_probe_interval: int = 32
 
     SCHEDULES: ClassVar[tuple[str, ...]] = ("constant", "heuristic")
 
@@ -367,10 +372,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be a speculator's name, got {self.method!r}")
         positive = {"num_speculative_tokens": self.num_speculative_tokens, "prompt_lookup_max": self.prompt_lookup_max,
                     "prompt_lookup_min": self.prompt_lookup_min, "acceptance_window": self.acceptance_window,
-                    "backoff_steps": self.backoff_steps}
+                    "backoff_steps": self.backoff_steps, "cost_probe_interval": self.cost_probe_interval}
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.cost_aware, bool):
+            raise ValueError(f"speculative config: cost_aware must be true or false, got {self.cost_aware!r}")
         if self.draft_length_schedule not in self.SCHEDULES:
             raise ValueError(f"speculative config: draft_length_schedule must be one of {', '.join(self.SCHEDULES)}, "
                              f"got {self.draft_length_schedule!r}")

@@ -21,8 +21,10 @@ from ember.engine.speculative import SpeculativeDecoder
 from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 from ember.plugins.speculative.ngram import NgramSpeculator
 
+# every proposal verified (no pauses, no cost-aware choice: tests/test_spec_cost.py has that),
+# so the verification itself is exercised on the tiny models' rarely accepted drafts
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None,
-         "min_acceptance_rate": 0.0}
+         "min_acceptance_rate": 0.0, "cost_aware": False}
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -345,8 +347,9 @@ def test_a_draft_model_identical_to_the_target_has_every_greedy_draft_accepted(t
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [[40, 41, 42], list(range(50, 80)), [7] * 5]
     expected = _outputs(LLM(str(tiny_llama_dir), **engine_args), prompts, params)
+    # every proposal verified: the counts below are the schedule's, not the step timings'
     config = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4,
-              "disable_by_batch_size": None}
+              "disable_by_batch_size": None, "cost_aware": False}
     llm = LLM(str(tiny_llama_dir), speculative_config=config, **engine_args)
     assert _outputs(llm, prompts, params) == expected
     stats = llm.engine.core.speculator.stats
@@ -450,7 +453,7 @@ def test_medusa_heads_propose_their_argmaxes_from_the_targets_hidden_state(tiny_
     hidden, vocab = llm0.engine.core.hf_config.hidden_size, llm0.engine.model_info.vocab_size
     tensors = _medusa_heads(tmp_path / "heads", hidden, vocab)
     config = {"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3,
-              "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+              "disable_by_batch_size": None, "min_acceptance_rate": 0.0, "cost_aware": False}  # random heads: verify all
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_tokens=1024, speculative_config=config)
     speculator = llm.engine.core.speculator.speculator
     h = torch.randn(hidden, generator=torch.Generator().manual_seed(1))

@@ -1,15 +1,18 @@
 """The engine's side of speculative decoding (docs/speculative.md): which decoding
 requests get drafts each step, the speculator's proposals for them, and what the
-step's verification says back (acceptance rates, pauses, the heuristic schedule).
-The speculator contract it drives is `ember.plugin.speculator`."""
+step's verification says back (acceptance rates, pauses, the heuristic schedule),
+and, cost-aware, how many of each request's drafts are worth verifying this step
+(ember.engine.spec_cost). The speculator contract it drives is `ember.plugin.speculator`."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ember.config import SpeculativeConfig
+from ember.engine.spec_cost import AcceptanceModel, ExplorationBudget, StepCostModel, choose_drafts
 from ember.plugin.speculator import BaseSpeculator, Proposal, SpecRequest, SpeculatorContext
 from ember.sched.step import SchedulerOutput
 
@@ -27,6 +30,23 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted plus the bonus token of each proposal
     accepted_by_position: list[int] = field(default_factory=list)  # accepted at draft position j
+    # cost-aware choice (ember.engine.spec_cost): decode-only steps and the decoding
+    # requests in them, probe steps, and the step costs learned (ms by batch bucket, tokens)
+    cost_aware: bool = False
+    num_decode_steps: int = 0
+    num_decode_request_steps: int = 0
+    num_probe_steps: int = 0
+    step_cost_ms: Any = None  # a callable returning the cost model's table
+
+    @property
+    def mean_drafts_per_decode(self) -> float:
+        """Drafts verified per decoding request per decode-only step (the mean k, 0s included)."""
+        return self.num_draft_tokens / self.num_decode_request_steps if self.num_decode_request_steps else 0.0
+
+    @property
+    def draft_step_fraction(self) -> float:
+        """Fraction of decode-only steps that verified any draft."""
+        return min(1.0, self.num_steps / self.num_decode_steps) if self.num_decode_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -43,7 +63,11 @@ class SpeculationStats:
             "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens, "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
-            "accepted_by_position": list(self.accepted_by_position),
+            "accepted_by_position": list(self.accepted_by_position), "cost_aware": self.cost_aware,
+            "num_decode_steps": self.num_decode_steps, "num_decode_request_steps": self.num_decode_request_steps,
+            "num_probe_steps": self.num_probe_steps, "mean_drafts_per_decode": self.mean_drafts_per_decode,
+            "draft_step_fraction": self.draft_step_fraction,
+            "step_cost_ms": self.step_cost_ms() if self.step_cost_ms is not None else {},
         }
 
 
@@ -61,10 +85,16 @@ class SpeculativeDecoder:
     def __init__(self, speculator: BaseSpeculator, config: SpeculativeConfig) -> None:
         self.speculator = speculator
         self.config = config
-        self.stats = SpeculationStats(config.method, accepted_by_position=[0] * config.max_drafts)
+        self.costs = StepCostModel()
+        self.acceptance = AcceptanceModel(config.max_drafts)
+        self.explore = ExplorationBudget(config.cost_probe_interval)
+        self.stats = SpeculationStats(config.method, accepted_by_position=[0] * config.max_drafts,
+                                      cost_aware=config.cost_aware, step_cost_ms=self.costs.to_dict)
         self._state: dict[str, _RequestState] = {}
         self._step = 0
         self.last_proposals: dict[str, Proposal] = {}
+        self._ready_at: float | None = None  # when the step's drafts were set: its time runs from here
+        self._probe_predicted: float | None = None  # a probe step: the cost of the step it replaced
 
     @property
     def uses_hidden_states(self) -> bool:
@@ -128,6 +158,7 @@ class SpeculativeDecoder:
         stats.num_emitted_tokens += num_accepted + 1
         for j in range(num_accepted):
             stats.accepted_by_position[j] += 1
+        self.acceptance.observe(request_id, num_proposed, num_accepted)
         state = self._state.setdefault(request_id, _RequestState())
         if self.config.draft_length_schedule == "heuristic":
             offered = state.num_drafts or self.config.num_speculative_tokens
@@ -170,9 +201,64 @@ class SpeculativeDecoder:
             if r.num_computed_tokens == r.num_tokens - 1  # decoding
         ]
         proposals = self.propose(candidates, len(running))
+        if self.config.cost_aware and proposals and len(candidates) == len(running):
+            self._choose(len(candidates), {c.request_id for c in candidates if c.seed is not None})
+            proposals = self.last_proposals
         for request in running:
             proposal = proposals.get(request.request_id)
             request.draft_token_ids = list(proposal.token_ids) if proposal is not None else []
+        self._ready_at = time.perf_counter()
+
+    def _choose(self, batch: int, seeded: set[str]) -> None:
+        """Cut each proposal to the drafts worth verifying in a decode-only step of
+        ``batch`` requests (ember.engine.spec_cost.choose_drafts), or, on a probe step
+        (ExplorationBudget), keep what the model turned down: every proposal, or none
+        where a plain step of this batch was never timed. Before anything of the batch's
+        bucket was timed, every proposal is kept. So are the sampled drafts (with
+        probs) of a ``seeded`` request: which of them are verified decides its tokens,
+        and a choice by step timings would make its output irreproducible."""
+        self._probe_predicted = None
+        proposals = self.last_proposals
+        if self.costs.cost(batch, batch) is None:
+            return
+        offers = {request_id: len(p.token_ids) for request_id, p in proposals.items()}
+        fixed = {request_id: offers.pop(request_id) for request_id in seeded
+                 if request_id in offers and proposals[request_id].probs is not None}
+        rates = {request_id: self.acceptance.rates(request_id, k) for request_id, k in offers.items()}
+        extra = sum(fixed.values())  # the kept drafts' query tokens, in every choice's step
+        base = batch + extra
+        chosen, _, _ = choose_drafts(offers, rates, batch, lambda tokens: self.costs.cost(batch, tokens + extra))
+        if self.explore.due():
+            probe = {} if not self.costs.measured(batch, base) else offers
+            if probe != chosen:
+                self._probe_predicted = self.costs.cost(batch, base + sum(chosen.values()))
+                chosen = probe
+        chosen.update(fixed)
+        self.last_proposals = {
+            request_id: Proposal(p.token_ids[: chosen[request_id]], None if p.probs is None else
+                                 p.probs[: chosen[request_id]])
+            for request_id, p in proposals.items() if chosen.get(request_id)
+        }
+
+    def _learn_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """A decode-only step's time (every scheduled request computing its next token
+        plus its drafts) teaches the cost model; a step holding a prompt chunk does not."""
+        drafts = scheduler_output.draft_token_ids
+        sampling = scheduler_output.sampling_request_ids
+        scheduled = scheduler_output.num_scheduled_tokens
+        if not scheduled or any(
+            request_id not in sampling or n != 1 + len(drafts.get(request_id, ())) for request_id, n in scheduled.items()
+        ):
+            self._probe_predicted = None
+            return
+        batch, tokens = len(scheduled), scheduler_output.total_num_scheduled_tokens
+        self.costs.observe(batch, tokens, seconds)
+        probe, self._probe_predicted = self._probe_predicted, None
+        self.explore.step(seconds, None if probe is None else seconds - probe)
+        stats = self.stats
+        stats.num_decode_steps += 1
+        stats.num_decode_request_steps += batch
+        stats.num_probe_steps = self.explore.num_probes
 
     def with_draft_probs(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step with the distributions its sampled drafts were drawn from, for the
@@ -189,6 +275,9 @@ class SpeculativeDecoder:
         """What the step's verification accepted, per request; ``step_hidden``: the
         runner's ``(request_id, start, hidden)`` of every computed position, for a
         speculator that learns from them."""
+        if self._ready_at is not None:
+            self._learn_cost(scheduler_output, time.perf_counter() - self._ready_at)
+            self._ready_at = None
         for request_id, start, hidden in step_hidden:
             self.speculator.observe_hidden(request_id, start, hidden)
         drafts = scheduler_output.draft_token_ids
@@ -201,6 +290,7 @@ class SpeculativeDecoder:
 
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+        self.acceptance.release(request_id)
         self.speculator.release(request_id)
 
 
