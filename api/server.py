@@ -197,6 +197,7 @@ def create_server(app: Starlette, settings: ServerSettings):
             # An engine that died (a parallel worker lost, the core process gone) serves
             # nothing more: its streams have ended with an error event; new requests get
             # 503 while the server drains, then it exits non-zero for a supervisor to see.
+            # With --restart-engine-on-failure dead_error is set only once no restart is left.
             engine = app.state.service.client
             while not self.should_exit:
                 error = getattr(engine, "dead_error", None)
