@@ -333,7 +333,7 @@ def test_a_compile_past_the_timeout_ends_its_request(tiny_llama_dir):
         SamplingParams(max_tokens=8, ignore_eos=True),
     ])
     assert outs[0].outputs[0].finish_reason == "error"
-    assert "took longer than 0.001 s (grammar_compile_timeout_s)" in outs[0].outputs[0].error
+    assert "took longer than 0.001 s (--grammar-compile-timeout, grammar_compile_timeout_s)" in outs[0].outputs[0].error
     assert outs[1].outputs[0].finish_reason == "length"
     assert llm.engine.grammar.num_compile_timeouts == 1
 
