@@ -50,8 +50,12 @@ def test_slow_steps_do_not_swamp_the_estimate():
     assert model.cost(1, 1) == pytest.approx(0.010)
     for _ in range(3):
         model.observe(1, 6, 0.015)
-    model.observe(1, 3, 0.5)  # a new shape's first step, slow: clipped, and never above a dearer shape
-    assert model.cost(1, 3) == pytest.approx(0.015)
+    assert model.observe(1, 3, 0.5) == pytest.approx(0.060)  # a new shape's first step, slow: clipped at 2x3 rows
+    assert model.cost(1, 3) == pytest.approx(0.015)  # and never above a dearer shape
+    steep = StepCostModel()
+    steep.observe(1, 3, 0.010)
+    steep.observe(1, 6, 0.040)
+    assert steep.cost(1, 1) == pytest.approx(0.005)  # a line falling below zero: half the cheapest shape
 
 
 def test_acceptance_is_learned_per_request_and_draft_position():

@@ -35,9 +35,11 @@ class _Point:
 
 class StepCostModel:
     """Seconds of a decode step by (batch size bucket, query tokens in the step): the
-    median of the last ``window`` steps per measured shape (once the bucket has 3
-    samples, a new one is first clipped at ``clip`` times the current estimate, so
-    one slow step cannot make a new shape look dear); between measured points the
+    median of the last ``window`` steps per measured shape, each sample first clipped
+    at ``clip`` times what the shape of fewest tokens costs per token (once that has
+    3 samples: computing more rows never costs more than proportionally, so a step
+    the OS preempted, or a kernel's first-use compile, cannot make a shape look dear
+    for long); between measured points the
     line joining them; beyond them the least-squares line through the bucket's
     points (slope at least 0), or, with one point, that point plus ``prior_slope``
     of a plain step per extra token per request, an optimistic guess that makes the
@@ -50,14 +52,18 @@ class StepCostModel:
         self.prior_slope = prior_slope
         self._points: dict[int, dict[int, _Point]] = {}
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, tokens: int, seconds: float) -> float:
+        """Learn a step's time; returns it as learned (clipped)."""
         points = self._points.setdefault(batch_bucket(batch), {})
-        if sum(len(p.samples) for p in points.values()) >= 3:
-            seconds = min(seconds, self.clip * self.cost(batch, tokens))
+        if points:
+            fewest = min(points)
+            if len(points[fewest].samples) >= 3:
+                seconds = min(seconds, self.clip * points[fewest].seconds * max(1.0, tokens / fewest))
         point = points.get(tokens)
         if point is None:
             point = points[tokens] = _Point(self.window)
         point.add(seconds)
+        return seconds
 
     def measured(self, batch: int, tokens: int) -> bool:
         return tokens in self._points.get(batch_bucket(batch), {})
@@ -82,7 +88,8 @@ class StepCostModel:
             t = (tokens - lo) / (hi - lo)
             return points[lo].seconds + t * (points[hi].seconds - points[lo].seconds)
         anchor = below[-1] if below else above[0]
-        return max(0.0, points[anchor].seconds + self.slope(batch) * (tokens - anchor))
+        floor = 0.5 * min(p.seconds for p in points.values())  # a line falling below the fewest tokens' cost
+        return max(floor, points[anchor].seconds + self.slope(batch) * (tokens - anchor))
 
     def slope(self, batch: int) -> float:
         """Seconds per extra query token in the bucket of ``batch``."""

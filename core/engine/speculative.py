@@ -252,7 +252,7 @@ class SpeculativeDecoder:
             self._probe_predicted = None
             return
         batch, tokens = len(scheduled), scheduler_output.total_num_scheduled_tokens
-        self.costs.observe(batch, tokens, seconds)
+        seconds = self.costs.observe(batch, tokens, seconds)
         probe, self._probe_predicted = self._probe_predicted, None
         self.explore.step(seconds, None if probe is None else seconds - probe)
         stats = self.stats
