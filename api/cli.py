@@ -103,7 +103,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grammar-compile-workers", metavar="N", type=int, default=None,
         help="worker processes that compile grammars, at lowered priority, each killed at the timeout "
-        "(default: 1; docs/grammar.md) [EMBER_GRAMMAR_COMPILE_WORKERS]",
+        "(default: 1; 0: threads of the engine's process, unisolated; docs/grammar.md) [EMBER_GRAMMAR_COMPILE_WORKERS]",
     )
     group.add_argument(
         "--grammar-compile-memory", metavar="MIB", type=int, default=None,

@@ -198,10 +198,10 @@ class ServerSettings:
                              "the adapters running at once are held in host memory too")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}")
-        for name in ("grammar_compile_workers", "grammar_compile_memory"):
+        for name, least in (("grammar_compile_workers", 0), ("grammar_compile_memory", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
         GrammarLimits.parse(self.grammar_limits)  # ValueError naming --grammar-limits
         limit = self.grammar_repetition_limit
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:

@@ -443,10 +443,10 @@ def _grammar_isolation(config: EngineConfig) -> None:
     """Check the compile workers and memory, and make ``grammar_limits`` a GrammarLimits."""
     from ember.grammar_limits import GrammarLimits
 
-    for name in ("grammar_compile_workers", "grammar_compile_memory_mb"):
+    for name, least in (("grammar_compile_workers", 0), ("grammar_compile_memory_mb", 1)):
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     limits = config.grammar_limits
     if limits is None or isinstance(limits, str):
         limits = GrammarLimits.parse(limits)

@@ -141,7 +141,7 @@ class GrammarManager:
         if future is not None:
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
-        elif cls.serializes_grammars:
+        elif cls.serializes_grammars and self.num_workers > 0:
             future = self._compile_pool().submit(
                 cls.name, params.constraint, tuple(c.name for c in fallbacks), f"{params.constraint.describe()}",
             )
@@ -262,7 +262,7 @@ class GrammarManager:
     def _started_at(self, waiting: _Waiting) -> float:
         """When the request's compile began: a worker's, once it left the queue (a
         queued one has not begun); a thread's, at submission."""
-        if self.pool is None or waiting.future not in self.pool._jobs:
+        if self.pool is None or not self.pool.owns(waiting.future):
             return waiting.submitted_at
         started = self.pool.started_at(waiting.future)
         return time.monotonic() if started is None else max(started, waiting.submitted_at)

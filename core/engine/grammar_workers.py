@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -108,6 +109,10 @@ class CompilePool:
         self._queue.put(job)
         return job.future
 
+    def owns(self, future: concurrent.futures.Future) -> bool:
+        """Whether ``future`` is a compile of this pool, not yet finished."""
+        return future in self._jobs
+
     def started_at(self, future: concurrent.futures.Future) -> float | None:
         """When a worker began ``future``'s compile (monotonic), None while it is queued."""
         job = self._jobs.get(future)
@@ -173,10 +178,7 @@ class _Slot:
                 f"compiling {job.description} took longer than {pool.timeout_s:g} s and was stopped "
                 "(--grammar-compile-timeout, grammar_compile_timeout_s)"
             )
-        raise CompileWorkerDied(
-            f"compiling {job.description} ended its worker process (exit status {code}): over its memory limit of "
-            f"{pool.memory_mb} MiB (--grammar-compile-memory) or its CPU time, or a crash of the backend"
-        )
+        raise CompileWorkerDied(f"compiling {job.description} ended its worker process ({_death(code, pool)})")
 
     def _answer(self, job: _Job, reply: tuple) -> None:
         status, payload, seconds = reply
@@ -230,6 +232,16 @@ class _Slot:
 
     def stop(self) -> None:
         self._kill()
+
+
+def _death(code: int | None, pool: CompilePool) -> str:
+    """Why a worker died, from its exit status."""
+    if code == -signal.SIGXCPU:
+        return f"SIGXCPU: past its CPU-time limit, the --grammar-compile-timeout of {pool.timeout_s:g} s in CPU seconds"
+    if code in (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGKILL, -signal.SIGBUS):
+        return (f"{signal.Signals(-code).name}: most likely an allocation over its memory limit of {pool.memory_mb} MiB "
+                "(--grammar-compile-memory), else a crash of the backend")
+    return f"exit status {code}: a crash of the grammar backend"
 
 
 def _portable(context: GrammarContext) -> GrammarContext:
