@@ -52,6 +52,12 @@ def test_slow_steps_do_not_swamp_the_estimate():
         model.observe(1, 6, 0.015)
     assert model.observe(1, 3, 0.5) == pytest.approx(0.060)  # a new shape's first step, slow: clipped at 2x3 rows
     assert model.cost(1, 3) == pytest.approx(0.015)  # and never above a dearer shape
+    fresh = StepCostModel()
+    for _ in range(3):
+        fresh.observe(1, 1, 0.010)
+    fresh.observe(1, 6, 0.055)  # a shape's first step compiled its kernels
+    fresh.observe(1, 6, 0.015)
+    assert fresh.cost(1, 6) == pytest.approx(0.015)  # the next normal step outvotes it
     steep = StepCostModel()
     steep.observe(1, 3, 0.010)
     steep.observe(1, 6, 0.040)

@@ -17,8 +17,10 @@ def batch_bucket(batch: int) -> int:
 
 
 class _Point:
-    """The last ``window`` times of steps of one shape; their median is the estimate
-    (robust to the odd step the OS preempted on a shared machine)."""
+    """The last ``window`` times of steps of one shape; their lower quartile is the
+    estimate: what disturbs a step (the OS preempting it on a shared machine, a
+    kernel's first-use compile) only ever adds time, so the low samples are the
+    shape's own cost and one slow step is outvoted by the next normal one."""
 
     __slots__ = ("samples", "seconds")
 
@@ -28,14 +30,12 @@ class _Point:
 
     def add(self, seconds: float) -> None:
         self.samples.append(seconds)
-        ordered = sorted(self.samples)
-        mid = len(ordered) // 2
-        self.seconds = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self.seconds = sorted(self.samples)[(len(self.samples) - 1) // 4]
 
 
 class StepCostModel:
     """Seconds of a decode step by (batch size bucket, query tokens in the step): the
-    median of the last ``window`` steps per measured shape, each sample first clipped
+    lower quartile of the last ``window`` steps per measured shape (_Point), each sample first clipped
     at ``clip`` times what the shape of fewest tokens costs per token (once that has
     3 samples: computing more rows never costs more than proportionally, so a step
     the OS preempted, or a kernel's first-use compile, cannot make a shape look dear
