@@ -354,6 +354,10 @@ class _EngineCollector(Collector):
                 ("ember_spec_decode_acceptance_rate", "acceptance_rate", "Accepted / proposed draft tokens, since start"),
                 ("ember_spec_decode_mean_accepted_length", "mean_accepted_length",
                  "Tokens emitted per verification (1 + accepted drafts), since start"),
+                ("ember_spec_decode_mean_drafts_per_decode", "mean_drafts_per_decode",
+                 "Drafts verified per decoding request per decode-only step (the mean k, 0s included), since start"),
+                ("ember_spec_decode_draft_step_fraction", "draft_step_fraction",
+                 "Fraction of decode-only steps that verified drafts, since start"),
             ):
                 family = GaugeMetricFamily(name, doc, labels=["method"])
                 family.add_metric([spec["method"]], spec[key])

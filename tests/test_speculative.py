@@ -336,6 +336,8 @@ def test_speculation_figures_reach_info_and_metrics(tiny_llama_dir):
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert f'ember_spec_decode_num_draft_tokens_total{{method="ngram"}} {float(info["num_draft_tokens"])}' in metrics
     assert 'ember_spec_decode_acceptance_rate{method="ngram"}' in metrics
+    assert f'ember_spec_decode_mean_drafts_per_decode{{method="ngram"}} {info["mean_drafts_per_decode"]}' in metrics
+    assert 'ember_spec_decode_draft_step_fraction{method="ngram"}' in metrics
 
 
 # -- the draft model ------------------------------------------------------------------------------
