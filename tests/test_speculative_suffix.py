@@ -18,8 +18,9 @@ from ember.plugins.speculative.ngram import NgramSpeculator
 from ember.plugins.speculative.suffix import Sequence, SuffixSpeculator, SuffixTree
 from ember.testing import check_speculator
 
+# cost_aware off: the tests are of the speculator, not of the decoder's step-cost model
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 16, "disable_by_batch_size": None,
-          "min_acceptance_rate": 0.0}
+          "min_acceptance_rate": 0.0, "cost_aware": False}
 
 
 def _suffix(**config) -> SuffixSpeculator:
@@ -238,8 +239,7 @@ def test_suffix_with_the_global_tree_keeps_the_speculator_contract(tmp_path):
 def test_greedy_outputs_with_suffix_equal_those_without_and_later_requests_use_earlier_responses(tiny_llama_dir):
     """Through the entry point (method "suffix"), in batch-invariant mode. The random
     tiny model's outputs seldom repeat themselves; sent again, the same prompts find
-    their earlier responses in the global tree, and many tokens come as drafts (how many
-    the decoder verifies also depends on its cost model)."""
+    their earlier responses in the global tree, and most tokens come as accepted drafts."""
     args = dict(dtype="float32", num_kv_tokens=2048, max_model_len=256, backend_options={"batch_invariant": "1"})
     prompts = [[(i % 7) + 10 for i in range(40)], list(range(60, 90)) + list(range(60, 75)), [5, 6, 7] * 3]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -256,5 +256,5 @@ def test_greedy_outputs_with_suffix_equal_those_without_and_later_requests_use_e
         accepted.append(stats.num_accepted_tokens - before)
     speculator = spec.engine.core.speculator.speculator
     assert isinstance(speculator, SuffixSpeculator)
-    assert accepted[1] >= max(48, 3 * accepted[0]), (accepted, stats)  # a third of the 144 tokens at least
+    assert accepted[1] >= max(72, 3 * accepted[0]), (accepted, stats)  # half the 144 tokens at least
     assert len(speculator._cached) == 6 and speculator._requests == {}

@@ -22,17 +22,17 @@ TASKS = [
 
 
 def test_suffix_on_smollm2_gives_the_greedy_tokens_without_speculation(smollm2_dir):
-    args = dict(dtype="bfloat16", max_model_len=512, num_kv_tokens=2048, max_num_batched_tokens=256,
+    args = dict(dtype="float32", max_model_len=512, num_kv_tokens=2048, max_num_batched_tokens=256,
                 backend_options={"batch_invariant": "1"})
     plain = LLM(str(smollm2_dir), **args)
     prompts = [encode_chat(plain.get_tokenizer(), [{"role": "user", "content": t}])[1] for t in TASKS]
     params = SamplingParams(temperature=0, max_tokens=24)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
     del plain
-    config = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None,
-              "min_acceptance_rate": 0, "suffix_decoding_max_cached_requests": 4}
+    config = {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": None,
+              "min_acceptance_rate": 0, "suffix_decoding_max_cached_requests": 4, "cost_aware": False}
     spec = LLM(str(smollm2_dir), speculative_config=config, **args)
     got = [o.outputs[0].token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == expected
     stats = spec.engine.core.speculator.stats
-    assert stats.num_accepted_tokens > 0, stats
+    assert stats.num_accepted_tokens > 10, stats
