@@ -110,7 +110,7 @@ def test_a_compile_past_the_timeout_is_killed_and_its_worker_replaced():
         (spinner,) = manager.pool.worker_pids()
         started = time.monotonic()
         status, message = _run(manager, "spin", Constraint.regex(SPIN))
-        assert status == "failed" and time.monotonic() - started < 5
+        assert status == "failed" and time.monotonic() - started < 8  # 1 CPU second, or 4 s in all
         assert "took longer than 1 s" in message and "--grammar-compile-timeout" in message
         with pytest.raises(ProcessLookupError):  # killed, not left spinning
             for _ in range(50):
@@ -228,3 +228,13 @@ def test_the_server_refuses_over_the_limits_and_kills_a_slow_compile(tiny_llama_
         served = chat(c, {**small, "properties": {"m": {"type": "integer"}}, "required": ["m"]})
         assert served.status_code == 200, served.text
         assert json.loads(served.json()["choices"][0]["message"]["content"]).keys() == {"m"}
+
+
+def test_zero_workers_compile_on_threads_as_before():
+    tokenizer = byte_tokenizer()
+    registry = create_plugin_manager().registries.grammar_backends
+    registry.register(SpinningBackend.name, SpinningBackend)
+    context = GrammarContext(tokenizer, VOCAB_SIZE, (tokenizer.eos_token_id,))
+    manager = GrammarManager(registry, context, SpinningBackend.name, 60.0, num_workers=0)
+    status, grammar = _run(manager, "a", Constraint.regex(PID))
+    assert status == "ready" and manager.pool is None and _text(grammar, tokenizer) == str(os.getpid())

@@ -10,8 +10,8 @@ constrained request.
   compiling, shares that work.
 * **Waiting**: a constrained request stays here, outside the scheduler, until its
   grammar is compiled; the step goes on for the others. A compile error, or a compile
-  still running ``compile_timeout_s`` after it started, ends only that request, with
-  the message. A worker's compile is then stopped (its process killed) unless another
+  past ``compile_timeout_s`` (a worker's: in CPU seconds, or `WALL_FACTOR` times it in
+  all; a thread's: since submission) ends only that request, with the message. A worker's compile is then stopped (its process killed) unless another
   request waits for it; a thread's runs on (a thread cannot be stopped).
 * **Fallback**: a request that names no backend and whose constraint the default
   backend refuses (a kind it does not compile, a schema keyword it cannot enforce) is
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ember.engine.grammar_guard import GuardedMatcher, GuardSettings, Vocab
-from ember.engine.grammar_workers import CompilePool
+from ember.engine.grammar_workers import WALL_FACTOR, CompilePool
 from ember.plugin.grammar import (
     BaseCompiledGrammar,
     BaseGrammarBackend,
@@ -249,7 +249,7 @@ class GrammarManager:
                 logger.error("grammar backend failed to compile %s", waiting.description, exc_info=exc)
                 self._forget(future)
                 failed.append((waiting.item, f"compiling {waiting.description} failed: {exc!r}"))
-            elif now - self._started_at(waiting) > self.compile_timeout_s:
+            elif now - self._started_at(waiting) > self._wall_timeout(waiting):
                 del self.waiting[request_id]
                 self.num_compile_timeouts += 1
                 self._give_up(future, stop=True)
@@ -258,6 +258,12 @@ class GrammarManager:
                     "(--grammar-compile-timeout, grammar_compile_timeout_s)"
                 )))
         return ready, failed
+
+    def _wall_timeout(self, waiting: _Waiting) -> float:
+        """A worker's compile is stopped by its CPU time (the pool watches it), or past
+        `WALL_FACTOR` times the timeout; a thread's at the timeout."""
+        owned = self.pool is not None and self.pool.owns(waiting.future)
+        return self.compile_timeout_s * (WALL_FACTOR if owned else 1)
 
     def _started_at(self, waiting: _Waiting) -> float:
         """When the request's compile began: a worker's, once it left the queue (a
