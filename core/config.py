@@ -131,9 +131,9 @@ class EngineConfig:
     grammar_backend: str = "outlines"
     grammar_compile_timeout_s: float = 60.0
     # Compiles isolated from serving (docs/grammar.md): worker processes (lowered
-    # priority, killed at the timeout), the memory one compile may add to its worker,
-    # and the size limits checked before compiling (an ember.grammar_limits.GrammarLimits
-    # or its "KEY=VALUE,..." text; None: the defaults)
+    # priority, killed at the timeout; 0: threads of the engine's process), the memory
+    # one compile may add to its worker, and the size limits checked before compiling
+    # (an ember.grammar_limits.GrammarLimits or its "KEY=VALUE,..." text; None: the defaults)
     grammar_compile_workers: int = 1
     grammar_compile_memory_mb: int = 2048
     grammar_limits: Any = None
