@@ -400,8 +400,9 @@ class GreedySpeculator(BaseSpeculator):
         return proposals
 
     def decoder(self) -> SpeculativeDecoder:
+        # every step drafts (cost_aware off: this checks the masks, not whether drafting pays)
         return SpeculativeDecoder(self, SpeculativeConfig(self.name, self.k, disable_by_batch_size=None,
-                                                          min_acceptance_rate=0.0))
+                                                          min_acceptance_rate=0.0, cost_aware=False))
 
 
 def test_draft_tokens_are_masked_and_rolled_back(llm):

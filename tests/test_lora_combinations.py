@@ -99,7 +99,7 @@ REPEATING = [
     [100, 101, 102] * 8,
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None,
-         "min_acceptance_rate": 0.0}
+         "min_acceptance_rate": 0.0, "cost_aware": False}  # every step drafts: the verification is what is checked
 
 
 def test_ngram_speculation_under_adapters_gives_the_tokens_without_it(tiny, batch_invariant):

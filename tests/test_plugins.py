@@ -87,7 +87,7 @@ def test_legacy_checkpoint_without_the_plugin_lists_supported(example_version, l
     assert "['LLaMAForCausalLM'] is not supported" in message
     from ember.models import gemma, llama, moe
 
-    built_in = sorted(llama.ARCHITECTURES + moe.ARCHITECTURES + gemma.ARCHITECTURES)
+    built_in = sorted(llama.ARCHITECTURES + llama.BASE_ARCHITECTURES + moe.ARCHITECTURES + gemma.ARCHITECTURES)
     assert f"supported architectures: {', '.join(built_in)} (install a plugin" in message
 
 

@@ -109,9 +109,9 @@ class OracleSpeculator(BaseSpeculator):
         return proposals
 
     def decoder(self) -> SpeculativeDecoder:
-        """Offered to every request every step (no batch-size or acceptance limits)."""
+        """Offered to every request every step (no batch-size, acceptance or cost limits)."""
         return SpeculativeDecoder(self, SpeculativeConfig(
-            "oracle", self.k, disable_by_batch_size=None, min_acceptance_rate=0.0))
+            "oracle", self.k, disable_by_batch_size=None, min_acceptance_rate=0.0, cost_aware=False))
 
 
 @pytest.mark.parametrize("wrong_every", [0, 2, 1])
