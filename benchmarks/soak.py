@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import random
 import signal
@@ -49,6 +48,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from ember.api.bench.machine import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -342,7 +343,7 @@ def report(soak: Soak, idle: Sample, alive: bool, exit_code: int) -> dict:
     return {
         "minutes": minutes, "clients": soak.args.clients, "model": soak.args.model_id or "default (SmolLM2 Q4_1)",
         "speculate": soak.args.speculate, "lora": soak.lora_name,
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {**machine_info(), "python": platform.python_version()},
         "requests": len(records), "by_kind": {k: sum(r.kind == k for r in records) for k, _ in MIX},
         "disconnected": sum(r.disconnected for r in records), "server_errors": len(server_errors),
         "server_error_examples": [asdict(r) for r in server_errors[:5]],
@@ -359,16 +360,6 @@ def report(soak: Soak, idle: Sample, alive: bool, exit_code: int) -> dict:
         "bars": bars, "passed": all(bars.values()),
         "samples": [asdict(s) for s in samples], "records": [asdict(r) for r in records],
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def plot(result: dict, out: Path) -> list[Path]:
