@@ -111,6 +111,12 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "[EMBER_GRAMMAR_COMPILE_MEMORY]",
     )
     group.add_argument(
+        "--grammar-compile-priority", metavar="idle|0..19", default=None,
+        help="the compile workers' CPU priority: idle (SCHED_IDLE: only CPU that serving leaves idle) or a niceness "
+        "above the engine's, for compiles that must progress on a busy machine (default: idle) "
+        "[EMBER_GRAMMAR_COMPILE_PRIORITY]",
+    )
+    group.add_argument(
         "--grammar-limits", metavar="KEY=VALUE,...", default=None,
         help="size limits on constraints, checked before compiling: properties, enum_values, depth, "
         "pattern_length, schema_bytes (defaults 256, 1024, 32, 2048, 262144; docs/grammar.md) [EMBER_GRAMMAR_LIMITS]",

@@ -107,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         grammar_compile_timeout=args.grammar_compile_timeout,
         grammar_compile_workers=args.grammar_compile_workers,
         grammar_compile_memory=args.grammar_compile_memory,
+        grammar_compile_priority=args.grammar_compile_priority,
         grammar_limits=args.grammar_limits,
         grammar_repetition_limit=args.grammar_repetition_limit,
         disable_grammar_budget=args.disable_grammar_budget,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.api.lora import LoRAModule, lora_modules
+from ember.config import compile_priority
 from ember.grammar_limits import GrammarLimits
 
 API_KEY_PATTERN = re.compile(r"[!-~]{1,512}")
@@ -92,6 +93,7 @@ class ServerSettings:
     # --grammar-limits KEY=VALUE,... (None: the defaults)
     grammar_compile_workers: int = 1
     grammar_compile_memory: int = 2048
+    grammar_compile_priority: str = "idle"  # --grammar-compile-priority idle|0..19
     grammar_limits: str | None = None
     # constrained outputs that close (docs/grammar.md): --grammar-repetition-limit N (0: off), --disable-grammar-budget
     grammar_repetition_limit: int = 12
@@ -202,6 +204,8 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+        object.__setattr__(self, "grammar_compile_priority",
+                           compile_priority(self.grammar_compile_priority, "--grammar-compile-priority"))
         GrammarLimits.parse(self.grammar_limits)  # ValueError naming --grammar-limits
         limit = self.grammar_repetition_limit
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
@@ -385,6 +389,7 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
     kwargs["grammar_compile_timeout_s"] = settings.grammar_compile_timeout
     kwargs["grammar_compile_workers"] = settings.grammar_compile_workers
     kwargs["grammar_compile_memory_mb"] = settings.grammar_compile_memory
+    kwargs["grammar_compile_priority"] = settings.grammar_compile_priority
     kwargs["grammar_limits"] = GrammarLimits.parse(settings.grammar_limits)
     kwargs["grammar_repetition_limit"] = settings.grammar_repetition_limit
     kwargs["grammar_budget"] = not settings.disable_grammar_budget

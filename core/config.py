@@ -136,6 +136,9 @@ class EngineConfig:
     # (an ember.grammar_limits.GrammarLimits or its "KEY=VALUE,..." text; None: the defaults)
     grammar_compile_workers: int = 1
     grammar_compile_memory_mb: int = 2048
+    # the workers' CPU priority: "idle" (SCHED_IDLE: only CPU the engine leaves idle) or a
+    # niceness "0".."19" above the engine's, for compiles that must progress on a busy machine
+    grammar_compile_priority: str = "idle"
     grammar_limits: Any = None
     # Constrained outputs that close (docs/grammar.md): keep each closable within its
     # max_tokens and context; mask a token that would extend a run of this many repeating
@@ -447,6 +450,8 @@ def _grammar_isolation(config: EngineConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    object.__setattr__(config, "grammar_compile_priority", compile_priority(config.grammar_compile_priority,
+                                                                            "grammar_compile_priority"))
     limits = config.grammar_limits
     if limits is None or isinstance(limits, str):
         limits = GrammarLimits.parse(limits)
@@ -455,3 +460,11 @@ def _grammar_isolation(config: EngineConfig) -> None:
     elif not isinstance(limits, GrammarLimits):
         raise ValueError(f"grammar_limits must be a GrammarLimits, a mapping or 'KEY=VALUE,...', got {limits!r}")
     object.__setattr__(config, "grammar_limits", limits)
+
+
+def compile_priority(value: Any, name: str) -> str:
+    """A grammar compile worker's priority as text: "idle", or a niceness "0".."19"."""
+    text = str(value).strip().lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text == "idle" or (text is not None and text.isdigit() and int(text) <= 19):
+        return text if text == "idle" else str(int(text))
+    raise ValueError(f"{name} must be 'idle' (SCHED_IDLE) or a niceness from 0 to 19, got {value!r}")

@@ -50,12 +50,13 @@ class SpinningBackend(OutlinesBackend):
         return super().compile(constraint)
 
 
-def _manager(timeout_s: float = 60.0, memory_mb: int = 2048) -> GrammarManager:
+def _manager(timeout_s: float = 60.0, memory_mb: int = 2048, priority: str = "idle") -> GrammarManager:
     tokenizer = byte_tokenizer()
     registry = create_plugin_manager().registries.grammar_backends
     registry.register(SpinningBackend.name, SpinningBackend)
     context = GrammarContext(tokenizer, VOCAB_SIZE, (tokenizer.eos_token_id,))
-    return GrammarManager(registry, context, SpinningBackend.name, timeout_s, worker_memory_mb=memory_mb)
+    return GrammarManager(registry, context, SpinningBackend.name, timeout_s, worker_memory_mb=memory_mb,
+                          worker_priority=priority)
 
 
 def _run(manager: GrammarManager, request_id: str, constraint: Constraint, wait_s: float = 60.0):
@@ -97,10 +98,32 @@ def test_compiles_run_in_a_worker_and_come_back_cached():
         assert manager.num_compiles == 1 and manager.num_cache_hits == 0
         status, again = _run(manager, "b", Constraint.regex(PID))
         assert status == "ready" and again is grammar and manager.num_cache_hits == 1 and manager.num_compiles == 1
-        # the worker runs at a lowered priority
-        assert os.getpriority(os.PRIO_PROCESS, worker) == os.getpriority(os.PRIO_PROCESS, 0) + 10
+        # the worker runs under SCHED_IDLE: only CPU that serving leaves idle
+        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
     finally:
         manager.close()
+
+
+def test_a_niceness_instead_of_sched_idle():
+    manager = _manager(priority="10")
+    try:
+        assert _run(manager, "a", Constraint.regex("[ab]+"))[0] == "ready"
+        (worker,) = manager.pool.worker_pids()
+        assert os.sched_getscheduler(worker) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, worker) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("value", ["20", "-1", "nice", "", True, 2.5])
+def test_the_compile_priority_refuses_bad_values_naming_itself(value):
+    from ember.api.settings import ServerSettings
+    from ember.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"--grammar-compile-priority must be 'idle' \(SCHED_IDLE\) or a niceness"):
+        ServerSettings(grammar_compile_priority=value)
+    with pytest.raises(ValueError, match=r"grammar_compile_priority must be 'idle'"):
+        EngineConfig(model="m", grammar_compile_priority=value)
 
 
 def test_a_compile_past_the_timeout_is_killed_and_its_worker_replaced():

@@ -204,7 +204,7 @@ class EngineCore:
             GrammarContext(self.tokenizer, self.hf_config.vocab_size, tuple(self.eos_token_ids)),
             config.grammar_backend, config.grammar_compile_timeout_s,
             GuardSettings(config.grammar_budget, config.grammar_repetition_limit),
-            config.grammar_compile_workers, config.grammar_compile_memory_mb,
+            config.grammar_compile_workers, config.grammar_compile_memory_mb, config.grammar_compile_priority,
         )
         self._pending_groups: dict[str, _PendingGroup] = {}
         self.last_step_stats: StepStats | None = None

@@ -82,6 +82,7 @@ class GrammarManager:
     def __init__(
         self, registry: Registry, context: GrammarContext, default_backend: str, compile_timeout_s: float,
         guard: GuardSettings = GuardSettings(), num_workers: int = 1, worker_memory_mb: int = 2048,
+        worker_priority: str = "idle",
     ) -> None:
         self.registry = registry
         self.guard = guard
@@ -92,6 +93,7 @@ class GrammarManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # started by the first constraint
         self.num_workers = num_workers
         self.worker_memory_mb = worker_memory_mb
+        self.worker_priority = worker_priority
         self.pool: CompilePool | None = None  # the worker processes, started by the first constraint
         self._backends: dict[str, BaseGrammarBackend] = {}
         self._backend_lock = threading.Lock()
@@ -160,7 +162,7 @@ class GrammarManager:
         if self.pool is None:
             self.pool = CompilePool(
                 dict(self.registry.items()), self.context, self.num_workers, self.compile_timeout_s,
-                self.worker_memory_mb, self._load, self._count_compile,
+                self.worker_memory_mb, self._load, self._count_compile, self.worker_priority,
             )
         return self.pool
 

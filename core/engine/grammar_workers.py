@@ -5,8 +5,12 @@ threads of the engine's process it took the step's and the event loop's CPU, and
 GIL between the two: with two clients sending such schemas, plain chat latency rose
 eightfold. Here each compile runs in a worker process:
 
-* **Priority**: the worker runs at ``nice +10``: where the engine and the event loop
-  want the CPU too, the scheduler gives the worker about a tenth of their share.
+* **Priority**: the worker runs under ``SCHED_IDLE`` (``--grammar-compile-priority``,
+  default ``idle``): it gets the CPU only where the engine and the event loop leave it
+  idle, so a compile cannot take their share; or at a nice level (``0``..``19``) where
+  compiles should progress on a machine kept busy. Set from the engine's side the moment
+  the worker is started, before its imports: a worker's start-up (torch and the backend,
+  about 3 CPU seconds) at the engine's priority slowed plain requests by 2x for 3 s.
 * **Timeout**: a compile that has used ``compile_timeout_s`` seconds of CPU, or is
   still running `WALL_FACTOR` times that long after it started, is stopped by killing
   its worker (SIGKILL); a new worker is started for the next one, and the request
@@ -60,7 +64,7 @@ from ember.plugin.grammar import (
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a worker's imports and its first backend's tables
-NICE = 10
+NICE_WITHOUT_SCHED_IDLE = 19  # where the platform has no SCHED_IDLE
 POLL_S = 0.05
 # a compile is stopped past the timeout in CPU seconds, or past this many times it in wall
 # seconds (at lowered priority on a busy machine it may get a fraction of a CPU)
@@ -93,12 +97,13 @@ class CompilePool:
     def __init__(
         self, backends: dict[str, type[BaseGrammarBackend]], context: GrammarContext, num_workers: int,
         timeout_s: float, memory_mb: int, load: Callable[[str, bytes], BaseCompiledGrammar],
-        on_compiled: Callable[[float], None] = lambda seconds: None,
+        on_compiled: Callable[[float], None] = lambda seconds: None, priority: str = "idle",
     ) -> None:
         self.backends = backends
         self.context = context
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
+        self.priority = priority
         self.load = load
         self.on_compiled = on_compiled
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -220,13 +225,14 @@ class _Slot:
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
         )
         theirs.close()
+        priority = _lower_priority(self.process.pid, pool.priority)
         self.conn = Connection(ours.detach())
         self.conn.send((pool.backends, _portable(pool.context)))
         if not self.conn.poll(START_TIMEOUT_S):
             self._kill()
             raise RuntimeError(f"a grammar compile worker did not start within {START_TIMEOUT_S:g} s")
-        started = self.conn.recv()
-        logger.info("grammar compile worker %d started (%s)", self.process.pid, started)
+        self.conn.recv()
+        logger.info("grammar compile worker %d started (%s)", self.process.pid, priority)
         return self.conn
 
     def _kill(self) -> int | None:
@@ -283,12 +289,15 @@ def _portable(context: GrammarContext) -> GrammarContext:
 # -- the worker process -------------------------------------------------------------------
 
 
-def _lower_priority() -> str:
-    """nice +10: about a tenth of a contended CPU's share against the engine's nice 0.
-    Not SCHED_IDLE: on a machine kept busy (2 cores, other processes) it starved an
-    outlines json_object compile past the 60 s timeout."""
-    os.nice(NICE)
-    return f"nice +{NICE}"
+def _lower_priority(pid: int, priority: str) -> str:
+    """Run worker ``pid`` at ``priority`` ("idle": SCHED_IDLE; "0".."19": that much nicer
+    than this process), set from here before the worker's imports begin."""
+    if priority == "idle" and hasattr(os, "sched_setscheduler"):
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    niceness = NICE_WITHOUT_SCHED_IDLE if priority == "idle" else int(priority)
+    os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))
+    return f"nice +{niceness}"
 
 
 def _set_limits(timeout_s: float, memory_mb: int) -> None:
@@ -340,7 +349,7 @@ def _compile(backends: dict[str, BaseGrammarBackend], classes, context, name: st
 def worker_main(fd: int) -> None:
     conn = Connection(fd)
     classes, context = conn.recv()
-    conn.send(_lower_priority())
+    conn.send("ready")
     backends: dict[str, BaseGrammarBackend] = {}
     while True:
         try:
