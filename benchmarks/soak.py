@@ -113,13 +113,15 @@ def metric(text: str, name: str) -> float | None:
 
 def random_lora(model_dir: str, out: Path) -> Path:
     """A rank-8 LoRA with random weights on the model's q/v projections (peft): real
-    adapter traffic, whatever it says."""
+    adapter traffic, whatever it says. Built on the model's config alone (an adapter needs
+    only the shapes; the default model's directory holds packed GGUF weights)."""
     import peft
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir),
+                                                          torch_dtype=torch.float32)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     peft.get_peft_model(model, config).save_pretrained(out)
     return out
