@@ -8,7 +8,8 @@ the built-in plugins: those are resolved once at start-up (docs/architecture.md)
 Every function call in every thread is recorded while one request is served (after a
 warm-up request), and the project files those functions live in are counted. The
 server runs its engine core in a thread here; `benchmarks/request_path.py` counts both
-processes of `--engine-mode process` (the same 20 files).
+processes of `--engine-mode process` (21 files: these 20 and the engine process's loop,
+core/engine/core_process.py).
 """
 
 import sys
