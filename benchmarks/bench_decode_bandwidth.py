@@ -21,9 +21,9 @@ Prints the figures with the machine (lscpu model name and flags) and writes JSON
 
     python benchmarks/bench_decode_bandwidth.py [--formats q4_1,float32] [--out r.json]
 
-Known gaps: ``bfloat16`` weights are held twice on the CPU backend (the walk counts
-517 MiB for SmolLM2 where a step reads about 259), so its share is not reported by
-default; and on a shared VM the read rate can flip between two levels (34 and 68 GB/s
+Known gaps: for ``bfloat16`` the walk counts 517 MiB for SmolLM2, twice the 259 MiB
+of bfloat16 weights a step reads (oneDNN's packed tensors and another copy, not yet
+told apart), so its share is not reported by default; and on a shared VM the read rate can flip between two levels (34 and 68 GB/s
 on the 2-core EPYC, 2026-12-05), so the limit is the highest rate of the run.
 """
 
@@ -164,8 +164,8 @@ def decode(engine, prompt_ids: list[int], tokens: int, runs: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="q4_1,float32",
-                        help="q4_1, float32, bfloat16 (bfloat16's count is not right yet: the walk finds its weights "
-                        "twice, 517 MiB for SmolLM2, and cannot tell which copy a step reads)")
+                        help="q4_1, float32, bfloat16 (bfloat16's count is not right yet: the walk finds 517 MiB for "
+                        "SmolLM2, twice what a step reads)")
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
