@@ -23,8 +23,9 @@ Prints the figures with the machine (lscpu model name and flags) and writes JSON
 
 Known gaps: for ``bfloat16`` the walk counts 517 MiB for SmolLM2, twice the 259 MiB
 of bfloat16 weights a step reads (oneDNN's packed tensors and another copy, not yet
-told apart), so its share is not reported by default; and on a shared VM the read rate can flip between two levels (34 and 68 GB/s
-on the 2-core EPYC, 2026-12-05), so the limit is the highest rate of the run.
+told apart), so its share is not reported by default; and on a shared VM the read rate
+can flip between two levels (34 and 68 GB/s on the 2-core EPYC, 2026-12-05), so the
+limit is the highest rate of the run.
 """
 
 from __future__ import annotations
@@ -190,35 +191,26 @@ def main() -> int:
                                         num_kv_tokens=args.prompt_tokens + args.tokens + 64))
         threads = torch.get_num_threads()
         reads.append(stream_read_gbps(args.buffer_mib))  # in the engine's process, with its threads
-        gbps = reads[-1]
         parts = resident_bytes(engine.model)
         per_token = parts["layers"] + parts["lm_head"] + parts["other"]
         if getattr(engine.model, "lm_head", None) is None:  # tied: the LM head reads the embedding table
             per_token += parts["embedding"]
         prompt_ids = [(7 * i + 11) % 1000 + 100 for i in range(args.prompt_tokens)]
         figures = decode(engine, prompt_ids, args.tokens, args.runs)
-        cfg = engine.hf_config if hasattr(engine, "hf_config") else None
-        kv_per_token = None
-        if cfg is not None:
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
-        entry = {
-            "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "stream_read_gb_s": gbps,
-            "resident_bytes": parts, "bytes_per_token": per_token,
-            "kv_bytes_read_per_step_at_mid_context": (kv_per_token * (args.prompt_tokens + args.tokens // 2)
-                                                      if kv_per_token else None),
-            **figures, "bar": 0.75,
-        }
-        # each part's time against reading its bytes at the measured rate: where the rest goes
-        ideal_ms = lambda nbytes: 1000 * nbytes / (gbps * 1e9)  # noqa: E731
+        cfg = engine.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
         head_bytes = parts["lm_head"] if getattr(engine.model, "lm_head", None) is not None else parts["embedding"]
-        entry["parts"] = {
-            "layers": {"ms": figures["layers_ms"], "at_bandwidth_ms": ideal_ms(parts["layers"])},
-            "lm_head": {"ms": figures["lm_head_ms"], "at_bandwidth_ms": ideal_ms(head_bytes)},
-            "rest_of_step": {"ms": figures["rest_of_step_ms"], "at_bandwidth_ms": 0.0},
+        result["formats"][name] = {
+            "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "stream_read_gb_s": reads[-1],
+            "resident_bytes": parts, "bytes_per_token": per_token,
+            "kv_bytes_read_per_step_at_mid_context": kv_per_token * (args.prompt_tokens + args.tokens // 2),
+            **figures, "bar": 0.75,
+            # each part's time, and below the time its bytes take at the limit's read rate: where the rest goes
+            "parts": {"layers": {"ms": figures["layers_ms"], "bytes": parts["layers"]},
+                      "lm_head": {"ms": figures["lm_head_ms"], "bytes": head_bytes},
+                      "rest_of_step": {"ms": figures["rest_of_step_ms"], "bytes": 0}},
         }
-        result["formats"][name] = entry
-
         del engine
     gbps = max(reads)
     result["stream_read_gb_s"] = {"all": reads, "limit_from": gbps}
@@ -226,7 +218,7 @@ def main() -> int:
         limit = gbps * 1e9 / entry["bytes_per_token"]
         entry["limit_tok_s"], entry["share_of_limit"] = limit, entry["decode_tok_s"] / limit
         for times in entry["parts"].values():
-            times["at_bandwidth_ms"] *= entry["stream_read_gb_s"] / gbps
+            times["at_bandwidth_ms"] = 1000 * times["bytes"] / (gbps * 1e9)
         print(f"{name}: {entry['bytes_per_token'] / 2**20:.1f} MiB a token at {gbps:.1f} GB/s -> limit "
               f"{limit:.1f} tok/s; decode {entry['decode_tok_s']:.1f} tok/s = {entry['share_of_limit']:.0%} of it "
               f"(bar 75%); step {entry['step_ms']:.2f} ms: layers {entry['layers_ms']:.2f}, LM head "
@@ -236,7 +228,8 @@ def main() -> int:
     print(f"read rates measured (GB/s, {torch.get_num_threads()} threads): {', '.join(f'{r:.1f}' for r in reads)}")
     result["load_average_after"] = os.getloadavg()
     machine = result["machine"]
-    print(f"machine: {machine.get('cpu_model')}; flags {' '.join(f for f, on in machine.get('flags', {}).items() if on)}")
+    flags = " ".join(f for f, on in machine.get("flags", {}).items() if on)
+    print(f"machine: {machine.get('cpu_model')}; flags {flags}")
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -95,7 +95,8 @@ def main() -> int:
         make_tiny_model("llama", Path(model))
     port = _free_port()
     command = [str(Path(sys.executable).with_name("ember")), "serve", "--model-id", model, "--port", str(port),
-               "--grammar-compile-timeout", str(args.compile_timeout), "--grammar-compile-workers", str(args.compile_workers),
+               "--grammar-compile-timeout", str(args.compile_timeout),
+               "--grammar-compile-workers", str(args.compile_workers),
                "--grammar-compile-priority", args.compile_priority]
     if not args.keep_limits:
         command += ["--grammar-limits", "properties=100000,enum_values=1000000,depth=1000,pattern_length=1000000,"
@@ -141,7 +142,7 @@ def _run(url: str, args) -> dict:
     }).encode()) for n in range(args.hostile_clients * (4 * args.blocks + 8))]
     arm = {"name": "warmup", "ends": 0.0}
     stop = threading.Event()
-    samples: list[tuple[str, float]] = []
+    samples: list[tuple[str, float, float]] = []  # (arm, latency, start)
     hostile_outcomes: dict[str, int] = {}
     lock = threading.Lock()
     hostile_events: list = []
@@ -212,8 +213,8 @@ def _run(url: str, args) -> dict:
                          "p99_s": _percentile(values, 0.99), "mean_s": statistics.fmean(values) if values else None}
     ratio = figures["hostile"]["p99_s"] / figures["quiet"]["p99_s"]
     return {"blocks": blocks, "block_s": args.block_s, "arms": figures, "p99_ratio": ratio, "bar": 1.5,
-            "within_bar": ratio <= 1.5, "hostile_outcomes": hostile_outcomes, "samples": samples, "hostile_events": hostile_events,
-            "t0_unix": t0_wall}
+            "within_bar": ratio <= 1.5, "hostile_outcomes": hostile_outcomes, "samples": samples,
+            "hostile_events": hostile_events, "t0_unix": t0_wall}
 
 
 def _machine() -> dict:
