@@ -21,11 +21,12 @@ Prints the figures with the machine (lscpu model name and flags) and writes JSON
 
     python benchmarks/bench_decode_bandwidth.py [--formats q4_1,float32] [--out r.json]
 
-Known gaps: for ``bfloat16`` the walk counts 517 MiB for SmolLM2, twice the 259 MiB
-of bfloat16 weights a step reads (oneDNN's packed tensors and another copy, not yet
-told apart), so its share is not reported by default; and on a shared VM the read rate
-can flip between two levels (34 and 68 GB/s on the 2-core EPYC, 2026-12-05), so the
-limit is the highest rate of the run.
+Where the backend keeps two forms of a weight (on the bf16 path oneDNN's packed weight
+and a plain copy for products of few rows; on the fp32 path a bf16 model's float32
+weight and its bf16 copy), a batch-1 step reads one, and only that one is counted (the
+linear op's ``weight_read``). Known gap: on a shared VM the read rate can flip between
+two levels (34 and 68 GB/s on the 2-core EPYC, 2026-12-05), so the limit is the
+highest rate of the run.
 """
 
 from __future__ import annotations
@@ -77,9 +78,14 @@ def _tensors(obj, seen_objects: set[int], depth: int = 0):
             yield from _tensors(item, seen_objects, depth + 1)
 
 
-def resident_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the model's resident tensors by part, each storage counted once."""
+def resident_bytes(model: torch.nn.Module, rows: int = 1) -> dict[str, int]:
+    """Bytes of the model's resident tensors a product of ``rows`` rows reads, by part,
+    each storage counted once: where the CPU backend keeps two forms of a weight (the
+    bf16 path's packed weight and its plain copy for few rows; the fp32 path's float32
+    weight and its bf16 copy), the linear op's ``weight_read`` names the one read."""
     seen: set[int] = set()
+    op = getattr(model, "linear_op", None)
+    weight_read = getattr(op, "weight_read", None)
     parts = {"layers": 0, "lm_head": 0, "embedding": 0, "other": 0}
     embedding = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -91,12 +97,14 @@ def resident_bytes(model: torch.nn.Module) -> dict[str, int]:
         tensors = [t for _, t in own]
         seen_objects: set[int] = set()
         for key, value in vars(module).items():
-            if key in ("_parameters", "_buffers", "_modules"):
+            if key in ("_parameters", "_buffers", "_modules", "linear_op"):  # the op: through weight_read
                 continue
             tensors.extend(_tensors(value, seen_objects))
         for tensor in tensors:
             if tensor.device.type != "cpu":
                 continue
+            if weight_read is not None:
+                tensor = weight_read(tensor, rows)
             if tensor.is_mkldnn:  # oneDNN's packed weights: no storage to look at, their elements
                 key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
             else:
@@ -164,9 +172,7 @@ def decode(engine, prompt_ids: list[int], tokens: int, runs: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", default="q4_1,float32",
-                        help="q4_1, float32, bfloat16 (bfloat16's count is not right yet: the walk finds 517 MiB for "
-                        "SmolLM2, twice what a step reads)")
+    parser.add_argument("--formats", default="q4_1,float32,bfloat16", help="any of q4_1, float32, bfloat16")
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)

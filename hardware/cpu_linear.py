@@ -80,6 +80,15 @@ class PackedLinear:
         """Bytes of the plain weights kept for small batches beside the packed ones."""
         return sum(p.numel() * p.element_size() for _, p in self._plain.values())
 
+    def weight_read(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        """The tensor a product of ``rows`` rows over ``weight`` reads (benchmarks
+        count bytes per token by it): the plain copy or the packed form."""
+        if weight.is_mkldnn:
+            entry = self._plain.get(id(weight))
+            return entry[1] if rows <= self.max_rows and entry is not None and entry[0] is weight else weight
+        entry = self._packed.get(id(weight))
+        return entry[1] if rows > self.max_rows and entry is not None and entry[0] is weight else weight
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.is_mkldnn:
             packed = weight
@@ -118,6 +127,12 @@ class SmallBatchLinear:
     @property
     def copy_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for _, c in self._copies.values())
+
+    def weight_read(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        """The tensor a product of ``rows`` rows over ``weight`` reads: its bf16 copy
+        up to ``max_rows`` rows, else the weight."""
+        entry = self._copies.get(id(weight))
+        return entry[1] if rows <= self.max_rows and entry is not None and entry[0] is weight else weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32:

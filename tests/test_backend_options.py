@@ -84,7 +84,7 @@ def test_defaults_are_todays_behaviour():
     assert options == CPUOptions() and not options.non_default()
     assert (options.path, options.native, options.linear, options.batch_invariant) == ("auto", True, "onednn", False)
     assert options.decode_group_bytes == 4 << 20
-    assert options.small_batch_rows_for("fp32") == 4 and options.small_batch_rows_for("bf16") == 2
+    assert options.small_batch_rows_for("fp32") == 8 and options.small_batch_rows_for("bf16") == 2
     assert (options.quant_isa, options.gguf_x8, options.gguf_prefill) == ("auto", True, "auto")
     device = TorchDeviceOptions()
     assert (device.attention, device.gpu_memory_utilization, device.device_index) == ("auto", 0.9, 0)

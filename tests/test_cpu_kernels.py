@@ -199,6 +199,10 @@ def test_small_batch_linear_uses_the_copy_only_for_its_own_weight_and_few_rows(k
     op(x, other)
     op(x, weight.clone())  # equal numbers, another tensor: no copy registered for it
     assert calls == [3, 2, 2]
+    # what a product reads (benchmarks count bytes per token by it): the copy for few rows
+    copy = op._copies[id(weight)][1]
+    assert op.weight_read(weight, 1) is copy and op.weight_read(weight, 2) is copy
+    assert op.weight_read(weight, 3) is weight and op.weight_read(other, 1) is other
 
 
 def _logits(engine, token_ids: list[list[int]]) -> torch.Tensor:

@@ -89,6 +89,9 @@ def test_packed_linear_matches_the_bf16_product_and_routes_small_batches_to_the_
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(op(x, tied).float(), F.linear(x.float(), tied.float()), rtol=1e-2, atol=1e-2)
     assert gemv_rows == [1, 1, 2, 2]  # packed weight and tied copy, up to max_rows rows
+    # what a product reads: the plain weight for few rows, the packed form beyond
+    assert op.weight_read(packed, 2) is op._plain[id(packed)][1] and op.weight_read(packed, 3) is packed
+    assert op.weight_read(tied, 1) is tied and op.weight_read(tied, 3) is op._packed[id(tied)][1]
     other = torch.randn(8, 64).bfloat16()  # neither packed nor registered: base
     op(torch.randn(3, 64).bfloat16(), other)
     assert base_calls == [(3, 64)]
