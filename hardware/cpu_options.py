@@ -49,10 +49,11 @@ class CPUOptions(BackendOptions):
     )
     small_batch_rows: int | None = option(
         None,
-        "Products of at most this many rows read plain bf16 weight copies through the native kernel "
-        "(decode of a small batch, bound by reading the weights). auto: 8 on the fp32 path, 2 on the bf16 "
-        "path; 0 keeps no copies (saves their memory: half the float32 weights' bytes on the fp32 path, "
-        "the bf16 weights' bytes again on the bf16 path).",
+        "Products of at most this many rows run the native few-row kernel (decode of a small batch, a "
+        "speculative verification: bound by reading the weights): over plain bf16 weight copies in a bf16 "
+        "model, over the weights themselves in a float32 model. auto: 8 on the fp32 path (and for float32 "
+        "models), 2 on the bf16 path; 0 turns the kernel off and keeps no copies (saves their memory: half "
+        "the float32 weights' bytes on the fp32 path, the bf16 weights' bytes again on the bf16 path).",
     )
     decode_group_bytes: int = option(
         DEFAULT_DECODE_GROUP_BYTES,
