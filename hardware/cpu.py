@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from ember.hardware import cpu_gguf, cpu_graphs, cpu_int_quant, cpu_kernels
 from ember.hardware.cpu_attention import CPUAttention
 from ember.hardware.cpu_kernels import onednn_linear, onednn_linear_works
-from ember.hardware.cpu_linear import PackedLinear, RowInvariantLinear, SmallBatchLinear, packing_works
+from ember.hardware.cpu_linear import (
+    FewRowLinear,
+    PackedLinear,
+    RowInvariantLinear,
+    SmallBatchLinear,
+    packing_works,
+)
 from ember.hardware.cpu_options import CPUOptions
 from ember.hardware.cpu_paths import select_path
 from ember.models.layers import Linear
@@ -148,7 +154,12 @@ class CPUBackend(BaseBackend):
         return F.linear
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
-        if dtype != torch.bfloat16 or self.batch_invariant:
+        if self.batch_invariant:
+            return
+        if dtype == torch.float32:
+            self._few_row_float32(model)
+            return
+        if dtype != torch.bfloat16:
             return
         if self.compute_dtype(dtype) == torch.bfloat16:
             self._pack_weights(model)
@@ -168,6 +179,39 @@ class CPUBackend(BaseBackend):
                 op.add(weight)
         model.set_linear_op(op)
 
+    def _bf16_dot(self, kernels) -> bool:
+        """Whether the bf16 path's few-row kernel is the bf16 dot-product one (option
+        bf16_gemv; logged). ValueError for a forced dot the CPU cannot run."""
+        choice = self.options.bf16_gemv
+        if choice == "widen" or kernels is None:
+            return False
+        if not kernels.has_bf16_dot:
+            if choice == "dot":
+                raise ValueError("backend option bf16_gemv=dot needs a CPU with avx512_bf16; this one has none "
+                                 "(use bf16_gemv=widen or auto)")
+            return False
+        logger.info("cpu backend: bf16 few-row products on the CPU's bf16 dot-product instruction (%s)",
+                    "forced by bf16_gemv=dot" if choice == "dot" else "avx512_bf16")
+        return True
+
+    def _few_row_float32(self, model) -> None:
+        # A float32 model: products of few rows (decode of a small batch, a speculative
+        # verification) read the float32 weights through the native GEMV (FewRowLinear),
+        # which reads them faster than oneDNN's and computes each row as it would alone.
+        # The options native=false or small_batch_rows=0 turn it off.
+        rows = self.options.small_batch_rows_for("fp32")
+        kernels = self._kernels() if rows > 0 else None
+        if kernels is None:
+            return
+        op = FewRowLinear(model.linear_op, kernels, rows)
+        for weight in model.matmul_weights():
+            if weight.dtype == torch.float32 and weight.dim() == 2 and not weight.is_mkldnn and weight.is_contiguous():
+                op.add(weight)
+        if len(op):
+            model.set_linear_op(op)
+            logger.info("cpu backend: products of up to %d rows over %d float32 weights take the native GEMV",
+                        rows, len(op))
+
     def _pack_weights(self, model) -> None:
         # The bf16 path: every Linear's weight is replaced by its oneDNN-packed form; a
         # weight read elsewhere too (a tied LM head) gets a packed copy. Products of up
@@ -178,8 +222,10 @@ class CPUBackend(BaseBackend):
         if self.options.linear != "onednn" or not packing_works():
             logger.info("cpu backend: bf16 weights kept in plain layout (F.linear)")
             return
-        rows = self.options.small_batch_rows_for("bf16")
-        op = PackedLinear(model.linear_op, self._kernels() if rows > 0 else None, rows)
+        kernels = self._kernels()
+        dot = self._bf16_dot(kernels)
+        rows = self.options.small_batch_rows_for("bf16_dot" if dot else "bf16")
+        op = PackedLinear(model.linear_op, kernels if rows > 0 else None, rows, dot=dot)
         packed = 0
         for module in model.modules():
             if isinstance(module, Linear) and not module.is_quantized and module.weight.dtype == torch.bfloat16:

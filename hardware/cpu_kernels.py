@@ -130,6 +130,10 @@ class NativeKernels:
                             bf16_name="ember_gemv_bf16_bf16")
         # float32 and bfloat16 instantiations of attention and the layer ops, by dtype
         vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._gemv_f32 = NativeFunction(lib, "ember_gemv_f32", [vp] * 4 + [i64] * 3 + [ci], None)
+        self._gemv_dp = NativeFunction(lib, "ember_gemv_bf16_dp", [vp] * 4 + [i64] * 3 + [ci], None)
+        # the bf16 dot-product GEMV runs AVX512-BF16 instructions: only where the CPU has them
+        self.has_bf16_dot = "avx512_bf16" in cpu_flags()
         cf = ctypes.c_float
         # ... scale, nthreads[, kv], window, softcap
         self._attention = _typed(lib, "ember_paged_decode_attention",
@@ -177,6 +181,49 @@ class NativeKernels:
             x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
             y.data_ptr(), M, N, K, torch.get_num_threads(),
         )
+        return y
+
+    def gemv_bf16_dot(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bfloat16 ``x`` (M, K), ``weight`` (N, K) and
+        ``bias`` (N,) on the CPU's bf16 dot-product instruction (AVX512-BF16), float32
+        sums rounded to bfloat16 once; each output row is computed as it would be alone.
+        RuntimeError where the CPU lacks avx512_bf16."""
+        if not self.has_bf16_dot:
+            raise RuntimeError("gemv_bf16_dot needs a CPU with avx512_bf16; this one has none")
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"gemv_bf16_dot takes bfloat16 x (M, K) and weight (N, K), "
+                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        M, K = x.shape
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise ValueError(f"gemv_bf16_dot: x has {K} columns, weight has {weight.shape[1]}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (N,)):
+            raise ValueError(f"gemv_bf16_dot: bias must be bfloat16 ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        weight = weight.contiguous()
+        y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+        self._gemv_dp(x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
+                      y.data_ptr(), M, N, K, torch.get_num_threads())
+        return y
+
+    def gemv_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for float32 ``x`` (M, K), ``weight`` (N, K) and
+        ``bias`` (N,); each output row is computed as it would be alone."""
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"gemv_f32 takes float32 x (M, K) and weight (N, K), "
+                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        M, K = x.shape
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise ValueError(f"gemv_f32: x has {K} columns, weight has {weight.shape[1]}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
+            raise ValueError(f"gemv_f32: bias must be float32 ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        weight = weight.contiguous()
+        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
+        self._gemv_f32(x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
+                       y.data_ptr(), M, N, K, torch.get_num_threads())
         return y
 
     @staticmethod

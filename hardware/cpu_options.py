@@ -20,8 +20,10 @@ DEFAULT_DECODE_GROUP_BYTES = 4 << 20
 # default speculative verification (1 + 5 drafts), whose rows the kernel computes each
 # as it would alone, so greedy speculation reproduces plain decoding there. On the bf16
 # path oneDNN's packed product ties at 3 rows and wins from 4 (1 row 9.7 against 13.1,
-# 4 rows 16.0 against 11.6).
-DEFAULT_SMALL_BATCH_ROWS = {"fp32": 8, "bf16": 2}
+# 4 rows 16.0 against 11.6). The bf16 path's dot-product kernel (option bf16_gemv=dot):
+# 4 rows 9.7 against oneDNN's 10.4, 6 rows 11.6 against 10.2, 8 rows 14.9 against 12.8;
+# it takes up to 8 rows, covering a verification, so greedy speculation is exact there too.
+DEFAULT_SMALL_BATCH_ROWS = {"fp32": 8, "bf16": 2, "bf16_dot": 8}
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,16 @@ class CPUOptions(BackendOptions):
         "Products of at most this many rows run the native few-row kernel (decode of a small batch, a "
         "speculative verification: bound by reading the weights): over plain bf16 weight copies in a bf16 "
         "model, over the weights themselves in a float32 model. auto: 8 on the fp32 path (and for float32 "
-        "models), 2 on the bf16 path; 0 turns the kernel off and keeps no copies (saves their memory: half "
+        "models), 8 on the bf16 path with its dot-product kernel, else 2; 0 turns the kernel off and keeps no copies (saves their memory: half "
         "the float32 weights' bytes on the fp32 path, the bf16 weights' bytes again on the bf16 path).",
+    )
+    bf16_gemv: Literal["auto", "dot", "widen"] = option(
+        "auto",
+        "The few-row kernel of the bf16 path. dot: the CPU's bf16 dot-product instruction (AVX512-BF16), "
+        "up to 8 rows by default, so a speculative verification's rows come out as its plain steps' "
+        "(greedy speculation exact); widen: bf16 widened to float32 and FMA (AVX2), up to 2 rows, about 5% "
+        "faster at one row, the verification then runs oneDNN and may round differently. auto: dot where "
+        "the CPU has avx512_bf16. A forced dot the CPU lacks is refused.",
     )
     decode_group_bytes: int = option(
         DEFAULT_DECODE_GROUP_BYTES,
@@ -106,5 +116,6 @@ class CPUOptions(BackendOptions):
             raise ValueError(f"decode_group_bytes must be >= 1, got {self.decode_group_bytes}")
 
     def small_batch_rows_for(self, path: str) -> int:
-        """``small_batch_rows`` on ``path`` (``fp32`` or ``bf16``)."""
+        """``small_batch_rows`` on ``path`` (``fp32``, ``bf16``, or ``bf16_dot``: the
+        bf16 path with its dot-product kernel)."""
         return DEFAULT_SMALL_BATCH_ROWS[path] if self.small_batch_rows is None else self.small_batch_rows

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ember.hardware import cpu_kernels, trusted_library
 from ember.hardware.cpu import CPUBackend
-from ember.hardware.cpu_linear import SmallBatchLinear
+from ember.hardware.cpu_linear import FewRowLinear, SmallBatchLinear
 
 
 @pytest.fixture
@@ -57,6 +57,100 @@ def test_gemv_bf16_takes_non_contiguous_rows(kernels):
 def test_gemv_bf16_names_bad_arguments(kernels, x, weight, bias, match):
     with pytest.raises(ValueError, match=match):
         kernels.gemv_bf16(x, weight, bias)
+
+
+@pytest.mark.parametrize("N,K", [(4, 8), (7, 13), (96, 64), (130, 300)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_f32_matches_the_product_and_gives_each_row_what_it_gets_alone(kernels, N, K, with_bias):
+    torch.manual_seed(N + K)
+    weight, x = torch.randn(N, K), torch.randn(8, K)
+    bias = torch.randn(N) if with_bias else None
+    got = kernels.gemv_f32(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    assert got.dtype == torch.float32 and got.shape == (8, N)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K**0.5)
+    # bit for bit, whatever the other rows: a speculative verification's rows are its plain steps'
+    for rows in (1, 3, 8):
+        alone = torch.cat([kernels.gemv_f32(x[i : i + 1], weight, bias) for i in range(rows)])
+        assert torch.equal(kernels.gemv_f32(x[:rows], weight, bias), alone)
+
+
+@pytest.mark.parametrize(
+    "x,weight,bias,match",
+    [
+        (torch.randn(2, 8).double(), torch.randn(4, 8), None, "float32 x"),
+        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, "float32 x .* and weight"),
+        (torch.randn(2, 8), torch.randn(4, 9), None, "x has 8 columns, weight has 9"),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), r"bias must be float32 \(4,\)"),
+    ],
+)
+def test_gemv_f32_names_bad_arguments(kernels, x, weight, bias, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.gemv_f32(x, weight, bias)
+
+
+needs_bf16_dot = pytest.mark.skipif("avx512_bf16" not in cpu_kernels.cpu_flags(),
+                                    reason="the bf16 dot-product kernel needs a CPU with avx512_bf16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("N,K", [(4, 8), (7, 13), (96, 64), (130, 300), (33, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16_dot_rounds_the_product_once_and_gives_each_row_what_it_gets_alone(kernels, N, K, with_bias):
+    torch.manual_seed(N * 7 + K)
+    weight, x = torch.randn(N, K).bfloat16(), torch.randn(8, K).bfloat16()
+    bias = torch.randn(N).bfloat16() if with_bias else None
+    got = kernels.gemv_bf16_dot(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    assert got.dtype == torch.bfloat16 and got.shape == (8, N)
+    # one rounding to bf16 (half an ulp: 2^-9 relative) of a float32 sum
+    assert ((got.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-4 * K**0.5).all()
+    for rows in (1, 3, 8):
+        alone = torch.cat([kernels.gemv_bf16_dot(x[i : i + 1], weight, bias) for i in range(rows)])
+        assert torch.equal(kernels.gemv_bf16_dot(x[:rows], weight, bias), alone)
+
+
+def test_gemv_bf16_dot_names_bad_arguments_and_a_cpu_without_the_instruction(kernels, monkeypatch):
+    if kernels.has_bf16_dot:
+        with pytest.raises(ValueError, match="bfloat16 x"):
+            kernels.gemv_bf16_dot(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
+        with pytest.raises(ValueError, match="x has 8 columns, weight has 9"):
+            kernels.gemv_bf16_dot(torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16())
+    monkeypatch.setattr(kernels, "has_bf16_dot", False)
+    with pytest.raises(RuntimeError, match="avx512_bf16"):
+        kernels.gemv_bf16_dot(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+
+
+def test_a_forced_bf16_dot_kernel_is_refused_where_the_cpu_lacks_it(kernels, monkeypatch):
+    monkeypatch.setattr(kernels, "has_bf16_dot", False)
+    backend = CPUBackend(CPUBackend.parse_options({"bf16_gemv": "dot"}))
+    with pytest.raises(ValueError, match="bf16_gemv=dot needs a CPU with avx512_bf16"):
+        backend._bf16_dot(kernels)
+    assert CPUBackend()._bf16_dot(kernels) is False  # auto: the widening kernel
+    with pytest.raises(ValueError, match="bf16_gemv"):
+        CPUBackend.parse_options({"bf16_gemv": "fast"})
+
+
+def test_few_row_linear_takes_its_own_weights_for_few_rows(kernels):
+    calls = []
+
+    def base(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    weight, other = torch.randn(24, 16), torch.randn(24, 16)
+    op = FewRowLinear(base, kernels, max_rows=2)
+    op.add(weight)
+    assert len(op) == 1 and op.weight_read(weight, 1) is weight
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(op(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert calls == []  # the kernel answered
+    op(torch.randn(3, 16), weight)
+    op(x, other)
+    op(x.double(), weight.double())
+    assert calls == [3, 2, 2]
+    with pytest.raises(ValueError, match="contiguous float32"):
+        op.add(torch.randn(16, 24).t())
 
 
 def test_build_reuses_the_cached_library_and_names_a_failing_compiler(tmp_path, monkeypatch):

@@ -109,15 +109,22 @@ def test_a_gemma_2_with_sliding_windows_and_soft_caps_decodes_through_graphs_as_
     assert tokens["device"] == tokens["cpu"]
 
 
-def test_a_float32_model_refuses_cpu_graphs_and_graph_sizes_are_validated(tiny_llama_dir, caplog):
-    # its products are PyTorch GEMMs, which a CPU graph cannot record (tests/test_cpu_graphs.py)
+def test_a_float32_model_graphs_its_few_row_batches_and_graph_sizes_are_validated(tiny_llama_dir, caplog):
+    # batches of up to 8 rows multiply through the native float32 GEMV, which a CPU graph
+    # records; larger ones are PyTorch GEMMs, which it cannot (tests/test_cpu_graphs.py)
     with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):
         engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512))
-    assert engine.backend.graph_capture() is not None and engine.runner.graphs is None
+    assert engine.runner.graphs is not None and engine.runner.graphs.sizes == (1, 2, 3, 4, 5, 6, 7, 8)
     # (oneDNN's linear, or F.linear's aten.mm where oneDNN's is unavailable)
-    assert re.search(r"decode graphs of batch sizes 1,2,3,4,5,6,7,8,12,16,24,32 refused \(they run eagerly\): the "
+    assert re.search(r"decode graphs of batch sizes 12,16,24,32 refused \(they run eagerly\): the "
                      r"forward computes (mkldnn._linear_pointwise|aten.mm).default outside the native kernels",
                      caplog.text), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ember.worker.graphs"):  # the GEMV off: every size refused
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_tokens=512,
+                                        backend_options={"small_batch_rows": 0}))
+    assert engine.backend.graph_capture() is not None and engine.runner.graphs is None
+    assert re.search(r"decode graphs of batch sizes 1,2,3,4,5,6,7,8,12,16,24,32 refused", caplog.text), caplog.text
     with pytest.raises(ValueError, match=r"graph_sizes must be positive integers, got \[4, 0\]"):
         EngineConfig(graph_sizes=(4, 0))
     assert EngineConfig(graph_sizes=(8, 1, 8)).graph_sizes == (1, 8)

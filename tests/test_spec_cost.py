@@ -212,19 +212,26 @@ def test_greedy_outputs_with_cost_aware_speculation_equal_those_without(tiny_lla
 
 
 
-def test_a_verification_on_the_fp32_path_computes_each_row_as_its_plain_step_would(tiny_llama_dir):
-    """A bf16 model computed in float32 (the CPU path of CPUs without bf16 math), with
-    speculation and without batch-invariant mode: every product of a lone request's
-    verification (1 + 5 drafts) takes the few-row kernel (small_batch_rows auto: 8),
+@pytest.mark.parametrize("dtype,path", [("float32", "fp32"), ("bfloat16", "fp32"), ("bfloat16", "bf16")])
+def test_a_verification_computes_each_row_as_its_plain_step_would(tiny_llama_dir, dtype, path):
+    """A float32 model, a bf16 model computed in float32 (the CPU path of CPUs without
+    bf16 math) or in bf16 (the bf16 path, its dot-product kernel), with speculation and
+    without batch-invariant mode: every product of a lone request's verification (1 + 5
+    drafts) takes a few-row kernel (gemv_f32, gemv_bf16, gemv_bf16_dot; small_batch_rows
+    auto: 8),
     which gives each row bit for bit what that row gives alone, as a plain decode step
     computes it. oneDNN's GEMM blocks by the number of rows, so when the kernel took
     only 4 rows a verification's tokens could differ in the last bits and a near-tie
     flip a greedy token."""
     from ember.hardware import cpu_kernels
+    from ember.hardware.cpu_linear import packing_works
 
-    if cpu_kernels.load() is None:
+    kernels = cpu_kernels.load()
+    if kernels is None:
         pytest.skip("native kernels unavailable on this machine (no AVX2/FMA or no C compiler)")
-    engine_args = dict(dtype="bfloat16", max_model_len=256, backend_options={"path": "fp32"})
+    if path == "bf16" and not (packing_works() and kernels.has_bf16_dot):
+        pytest.skip("the bf16 path's dot-product kernel needs a CPU with avx512_bf16")
+    engine_args = dict(dtype=dtype, max_model_len=256, backend_options={"path": path})
     # every proposal verified (cost_aware off), at 1 + 5 rows
     spec = {"method": "ngram", "num_speculative_tokens": 5, "cost_aware": False, "disable_by_batch_size": None}
     llm = LLM(tiny_llama_dir, speculative_config=spec, **engine_args)
@@ -233,8 +240,9 @@ def test_a_verification_on_the_fp32_path_computes_each_row_as_its_plain_step_wou
     assert model.linear_op.max_rows >= 6
     torch.manual_seed(0)
     checked = 0
+    compute = core.backend.compute_dtype(core.dtype)
     for weight in model.matmul_weights():
-        x = torch.randn(6, weight.shape[1])
+        x = torch.randn(6, weight.shape[1]).to(compute)
         together = model.linear_op(x, weight)
         alone = torch.cat([model.linear_op(x[i : i + 1], weight) for i in range(6)])
         assert torch.equal(together, alone), tuple(weight.shape)
