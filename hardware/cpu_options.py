@@ -54,8 +54,9 @@ class CPUOptions(BackendOptions):
         "Products of at most this many rows run the native few-row kernel (decode of a small batch, a "
         "speculative verification: bound by reading the weights): over plain bf16 weight copies in a bf16 "
         "model, over the weights themselves in a float32 model. auto: 8 on the fp32 path (and for float32 "
-        "models), 8 on the bf16 path with its dot-product kernel, else 2; 0 turns the kernel off and keeps no copies (saves their memory: half "
-        "the float32 weights' bytes on the fp32 path, the bf16 weights' bytes again on the bf16 path).",
+        "models), 8 on the bf16 path with its dot-product kernel, else 2; 0 turns the kernel off and keeps "
+        "no copies (saves their memory: half the float32 weights' bytes on the fp32 path, the bf16 weights' "
+        "bytes again on the bf16 path).",
     )
     bf16_gemv: Literal["auto", "dot", "widen"] = option(
         "auto",
