@@ -117,13 +117,18 @@ def served(start, label: str, concurrencies: list[int], max_tokens: int, work: P
             print(f"4. {label}, {n} concurrent: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{r['ttft_ms']['p50']:.0f} ms, p99 {r['ttft_ms']['p99']:.0f} ms, {r['failed']} failed", flush=True)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+        stop_server(proc)
     return result
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server's process group (started with start_new_session), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
 
 
 def start_ember(model_dir: str):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_performance import free_port, wait_healthy  # noqa: E402
+from bench_performance import free_port, stop_server, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,12 +79,7 @@ def serving(start: Callable[[int, Path], subprocess.Popen], label: str, work: Pa
         wait_healthy(f"http://127.0.0.1:{port}", proc, log)
         return run(f"http://127.0.0.1:{port}")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+        stop_server(proc)
 
 
 def start_ember(port: int, log: Path) -> subprocess.Popen:

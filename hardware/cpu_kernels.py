@@ -159,29 +159,33 @@ class NativeKernels:
         # a CPU graph's replay (ember.hardware.cpu_graphs): records, count, &failed index
         self.replay = NativeFunction(lib, "ember_replay", [vp, i64, vp], ci)
 
+    @staticmethod
+    def _run_gemv(name: str, function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  x_dtypes: tuple[torch.dtype, ...], weight_dtype: torch.dtype, wanted: str) -> torch.Tensor:
+        """Check a GEMV's arguments (ValueError naming what is wrong) and run it: y (M, N)
+        in x's dtype, bias (N,) in x's dtype or None."""
+        if x.dtype not in x_dtypes or weight.dtype != weight_dtype or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"{name} takes {wanted}, got {x.dtype} {tuple(x.shape)} and {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        M, K = x.shape
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise ValueError(f"{name}: x has {K} columns, weight has {weight.shape[1]}")
+        if bias is not None and (bias.dtype != x.dtype or bias.shape != (N,)):
+            raise ValueError(f"{name}: bias must be {x.dtype} ({N},), got {bias.dtype} {tuple(bias.shape)}")
+        x = x.contiguous()
+        weight = weight.contiguous()
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        function(x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
+                 y.data_ptr(), M, N, K, torch.get_num_threads())
+        return y
+
     def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` (M, K) and ``bias`` (N,) both float32 or both
         bfloat16, and bfloat16 ``weight`` (N, K), accumulated in float32; returns
         x's dtype (M, N)."""
-        if x.dtype not in KERNEL_DTYPES or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
-            raise ValueError(
-                f"gemv_bf16 takes float32 or bfloat16 x (M, K) and bfloat16 weight (N, K), "
-                f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}"
-            )
-        M, K = x.shape
-        N = weight.shape[0]
-        if weight.shape[1] != K:
-            raise ValueError(f"gemv_bf16: x has {K} columns, weight has {weight.shape[1]}")
-        if bias is not None and (bias.dtype != x.dtype or bias.shape != (N,)):
-            raise ValueError(f"gemv_bf16: bias must be {x.dtype} ({N},), got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
-        weight = weight.contiguous()
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        self._gemv[x.dtype](
-            x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
-            y.data_ptr(), M, N, K, torch.get_num_threads(),
-        )
-        return y
+        return self._run_gemv("gemv_bf16", self._gemv.get(x.dtype), x, weight, bias, KERNEL_DTYPES, torch.bfloat16,
+                              "float32 or bfloat16 x (M, K) and bfloat16 weight (N, K)")
 
     def gemv_bf16_dot(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,40 +195,14 @@ class NativeKernels:
         RuntimeError where the CPU lacks avx512_bf16."""
         if not self.has_bf16_dot:
             raise RuntimeError("gemv_bf16_dot needs a CPU with avx512_bf16; this one has none")
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
-            raise ValueError(f"gemv_bf16_dot takes bfloat16 x (M, K) and weight (N, K), "
-                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-        M, K = x.shape
-        N = weight.shape[0]
-        if weight.shape[1] != K:
-            raise ValueError(f"gemv_bf16_dot: x has {K} columns, weight has {weight.shape[1]}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (N,)):
-            raise ValueError(f"gemv_bf16_dot: bias must be bfloat16 ({N},), got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
-        weight = weight.contiguous()
-        y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-        self._gemv_dp(x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
-                      y.data_ptr(), M, N, K, torch.get_num_threads())
-        return y
+        return self._run_gemv("gemv_bf16_dot", self._gemv_dp, x, weight, bias, (torch.bfloat16,), torch.bfloat16,
+                              "bfloat16 x (M, K) and weight (N, K)")
 
     def gemv_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` for float32 ``x`` (M, K), ``weight`` (N, K) and
         ``bias`` (N,); each output row is computed as it would be alone."""
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.dim() != 2:
-            raise ValueError(f"gemv_f32 takes float32 x (M, K) and weight (N, K), "
-                             f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-        M, K = x.shape
-        N = weight.shape[0]
-        if weight.shape[1] != K:
-            raise ValueError(f"gemv_f32: x has {K} columns, weight has {weight.shape[1]}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
-            raise ValueError(f"gemv_f32: bias must be float32 ({N},), got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
-        weight = weight.contiguous()
-        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-        self._gemv_f32(x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
-                       y.data_ptr(), M, N, K, torch.get_num_threads())
-        return y
+        return self._run_gemv("gemv_f32", self._gemv_f32, x, weight, bias, (torch.float32,), torch.float32,
+                              "float32 x (M, K) and weight (N, K)")
 
     @staticmethod
     def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

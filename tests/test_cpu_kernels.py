@@ -81,7 +81,7 @@ def test_gemv_f32_matches_the_product_and_gives_each_row_what_it_gets_alone(kern
         (torch.randn(2, 8).double(), torch.randn(4, 8), None, "float32 x"),
         (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, "float32 x .* and weight"),
         (torch.randn(2, 8), torch.randn(4, 9), None, "x has 8 columns, weight has 9"),
-        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), r"bias must be float32 \(4,\)"),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), r"bias must be torch.float32 \(4,\)"),
     ],
 )
 def test_gemv_f32_names_bad_arguments(kernels, x, weight, bias, match):
