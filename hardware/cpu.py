@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 from ember.hardware import cpu_gguf, cpu_graphs, cpu_int_quant, cpu_kernels
 from ember.hardware.cpu_attention import CPUAttention
-from ember.hardware.cpu_kernels import onednn_linear, onednn_linear_works
 from ember.hardware.cpu_linear import (
     FewRowLinear,
     PackedLinear,
     RowInvariantLinear,
     SmallBatchLinear,
+    onednn_linear,
+    onednn_linear_works,
     packing_works,
 )
 from ember.hardware.cpu_options import CPUOptions

@@ -1,14 +1,13 @@
-"""Native kernels the CPU backend compiles for the machine it runs on, and oneDNN's
-float32 product (the fp32 path's ``linear_op``).
+"""Native kernels the CPU backend compiles for the machine it runs on.
 
-* ``gemv_bf16``: few-row linear over bfloat16 weights (decode of a small batch).
+* ``gemv_bf16``, ``gemv_bf16_dot``, ``gemv_f32``: few-row linear over bfloat16 or float32
+  weights (decode of a small batch, a speculative verification).
 * ``paged_decode_attention``: decode attention read in place from the paged KV cache.
 * ``rms_norm``, ``rope_``, ``silu_mul``, ``embedding``: fused layer ops; ``kv_write``:
   a step's K/V into the paged cache.
 * ``greedy``: argmax and its log-probability per row of logits.
-* ``onednn_linear``: the fp32 path's product (``ember.hardware.cpu_linear`` holds the
-  linear ops built on the GEMV: ``SmallBatchLinear``, ``PackedLinear``,
-  ``RowInvariantLinear``; see ``ember.hardware.cpu_paths``).
+(``ember.hardware.cpu_linear`` holds oneDNN's float32 product and the linear ops built
+on the GEMVs; see ``ember.hardware.cpu_paths``.)
 
 All but greedy take float32 or bfloat16 tensors (the bf16 path's); the bf16 ones
 compute in float32 and round where PyTorch's bf16 ops round.
@@ -50,7 +49,6 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ember.hardware.cpu_paths import cpu_flags
 from ember.hardware.trusted_library import UntrustedKernelError, build, kernel_cache_dir, load_checked
@@ -444,35 +442,6 @@ class NativeKernels:
         if rc:
             raise IndexError(f"embedding: a token id lies outside the vocabulary [0, {V})")
         return out
-
-
-# -- the fp32 path's matrix product (the bf16 paths' are ember.hardware.cpu_linear) ----------
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        # float32 only: without AVX512-BF16/AMX oneDNN has no bf16 inner product, and
-        # F.linear gives the clear error for mixed dtypes
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-_ONEDNN_OK: bool | None = None
-
-
-def onednn_linear_works() -> bool:
-    """Whether this torch has oneDNN's linear and it agrees with F.linear (checked once)."""
-    global _ONEDNN_OK
-    if _ONEDNN_OK is None:
-        try:
-            x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-            _ONEDNN_OK = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
-                and torch.allclose(onednn_linear(x, w), F.linear(x, w), atol=1e-5)
-            )
-        except (RuntimeError, AttributeError):
-            _ONEDNN_OK = False
-    return _ONEDNN_OK
 
 
 def _typed(lib: ctypes.CDLL, name: str, argtypes: list, bf16_name: str | None = None,

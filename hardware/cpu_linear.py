@@ -8,7 +8,8 @@
 * ``PackedLinear``: the bf16 path: weights packed for oneDNN, few rows through the GEMV;
 * ``RowInvariantLinear``: batch-invariant products (the CPU backend's option ``batch_invariant``).
 
-The fp32 path's own product, ``cpu_kernels.onednn_linear``, stays beside the kernels.
+and ``onednn_linear``, oneDNN's float32 product (the fp32 path's and float32 models'
+``linear_op`` beyond the few rows).
 """
 
 from __future__ import annotations
@@ -203,3 +204,32 @@ class RowInvariantLinear:
         else:
             out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# -- oneDNN's float32 product -----------------------------------------------------------------
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        # float32 only: without AVX512-BF16/AMX oneDNN has no bf16 inner product, and
+        # F.linear gives the clear error for mixed dtypes
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_ONEDNN_OK: bool | None = None
+
+
+def onednn_linear_works() -> bool:
+    """Whether this torch has oneDNN's linear and it agrees with F.linear (checked once)."""
+    global _ONEDNN_OK
+    if _ONEDNN_OK is None:
+        try:
+            x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+            _ONEDNN_OK = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+                and torch.allclose(onednn_linear(x, w), F.linear(x, w), atol=1e-5)
+            )
+        except (RuntimeError, AttributeError):
+            _ONEDNN_OK = False
+    return _ONEDNN_OK

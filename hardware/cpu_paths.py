@@ -10,7 +10,7 @@ Two paths, chosen once at startup from the CPU's flags (``select_path``, logged)
   (77 / 33 on a Sapphire Rapids). Attention and the fused layer ops run the native
   kernels' bf16 instantiations.
 - ``fp32``: elsewhere (AVX2), bf16 is a storage dtype and products run in float32
-  through oneDNN (``cpu_kernels.onednn_linear``), small batches reading bf16 weight
+  through oneDNN (``cpu_linear.onednn_linear``), small batches reading bf16 weight
   copies through the native kernel (``cpu_linear.SmallBatchLinear``).
 
 The CPU backend's option ``path`` (``--backend-option path=bf16|fp32``) forces a

@@ -20,7 +20,12 @@ PROMPTS = ["Hello there", "The capital of", "1 2 3 4"]
 
 
 def _config(model_dir):
-    return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8)
+    # batch-invariant products: a request's numbers must not depend on which requests
+    # share its steps, which differs between a core in a thread and one behind a pipe
+    # (the few-row GEMV takes up to 8 rows, oneDNN more: the rounding of a step of 8 and
+    # of 9 rows differs, and a sampled token's logprob with it)
+    return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=8,
+                        backend_options={"batch_invariant": "1"})
 
 
 async def _collect(engine, prompt, params, **kwargs):
