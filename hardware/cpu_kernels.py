@@ -131,7 +131,7 @@ class NativeKernels:
         self._gemv_f32 = NativeFunction(lib, "ember_gemv_f32", [vp] * 4 + [i64] * 3 + [ci], None)
         self._gemv_dp = NativeFunction(lib, "ember_gemv_bf16_dp", [vp] * 4 + [i64] * 3 + [ci], None)
         # the bf16 dot-product GEMV runs AVX512-BF16 instructions: only where the CPU has them
-        self.has_bf16_dot = "avx512_bf16" in cpu_flags()
+        self.has_bf16_dot = {"avx512_bf16", "avx512bw", "avx512f"} <= cpu_flags()
         cf = ctypes.c_float
         # ... scale, nthreads[, kv], window, softcap
         self._attention = _typed(lib, "ember_paged_decode_attention",

@@ -89,7 +89,7 @@ def test_gemv_f32_names_bad_arguments(kernels, x, weight, bias, match):
         kernels.gemv_f32(x, weight, bias)
 
 
-needs_bf16_dot = pytest.mark.skipif("avx512_bf16" not in cpu_kernels.cpu_flags(),
+needs_bf16_dot = pytest.mark.skipif(not {"avx512_bf16", "avx512bw", "avx512f"} <= cpu_kernels.cpu_flags(),
                                     reason="the bf16 dot-product kernel needs a CPU with avx512_bf16")
 
 
