@@ -105,20 +105,28 @@ def bench_serve(url: str, label: str, concurrency: int, max_tokens: int, work: P
             "failed": result["num_failed"], "duration_s": result["duration_s"]}
 
 
-def served(start, label: str, concurrencies: list[int], max_tokens: int, work: Path) -> dict:
-    """Start a server (`start(port, log)` -> Popen), time it to healthy, run each load."""
+def serving(start, label: str, work: Path, run):
+    """Start a server (`start(port, log)` -> Popen), wait for /health, return
+    `run(url, seconds_to_healthy)`, stop the server."""
     port, log = free_port(), work / f"{label.replace(' ', '_')}.log"
     proc = start(port, log)
     try:
         healthy = wait_healthy(f"http://127.0.0.1:{port}", proc, log)  # from the process's start
-        result = {"startup_to_healthy_s": healthy}
-        for n in concurrencies:
-            result[str(n)] = r = bench_serve(f"http://127.0.0.1:{port}", label, n, max_tokens, work)
-            print(f"4. {label}, {n} concurrent: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
-                  f"{r['ttft_ms']['p50']:.0f} ms, p99 {r['ttft_ms']['p99']:.0f} ms, {r['failed']} failed", flush=True)
+        return run(f"http://127.0.0.1:{port}", healthy)
     finally:
         stop_server(proc)
-    return result
+
+
+def served(start, label: str, concurrencies: list[int], max_tokens: int, work: Path) -> dict:
+    """Start a server, time it to healthy, run each load."""
+    def run(url: str, healthy: float) -> dict:
+        result = {"startup_to_healthy_s": healthy}
+        for n in concurrencies:
+            result[str(n)] = r = bench_serve(url, label, n, max_tokens, work)
+            print(f"4. {label}, {n} concurrent: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                  f"{r['ttft_ms']['p50']:.0f} ms, p99 {r['ttft_ms']['p99']:.0f} ms, {r['failed']} failed", flush=True)
+        return result
+    return serving(start, label, work, run)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -66,14 +66,20 @@ def llama_cpp_cmake_args() -> tuple[str, str]:
     return f"-DGGML_NATIVE=OFF {isa} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {base}", "noamx"
 
 
-def llama_cpp_venv_dir() -> Path:
-    if env := os.environ.get("EMBER_BENCH_LLAMA_CPP_VENV"):
+def llama_cpp_build_dir(variable: str, stem: str) -> Path:
+    """``$variable``, else ``<Ember cache>/bench/<stem>-<version>[-tag]``: where a llama.cpp
+    build for this CPU lives (the tag names a variant other than native)."""
+    if env := os.environ.get(variable):
         return Path(env).expanduser()
     from ember.weights import ember_cache_dir
 
     _, tag = llama_cpp_cmake_args()
     suffix = "" if tag == "native" else f"-{tag}"
-    return ember_cache_dir() / "bench" / f"llama-cpp-python-{LLAMA_CPP_VERSION}{suffix}"
+    return ember_cache_dir() / "bench" / f"{stem}-{LLAMA_CPP_VERSION}{suffix}"
+
+
+def llama_cpp_venv_dir() -> Path:
+    return llama_cpp_build_dir("EMBER_BENCH_LLAMA_CPP_VENV", "llama-cpp-python")
 
 
 def ensure_llama_cpp(log=print) -> tuple[Path | None, str]:

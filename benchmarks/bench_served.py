@@ -31,11 +31,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_performance import free_port, stop_server, wait_healthy  # noqa: E402
+from bench_performance import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,17 +68,6 @@ def client(url: str, n: int, concurrency: int, max_tokens: int, work: Path, labe
         cmd = ["taskset", "-c", pin, *cmd]
     subprocess.run(cmd, check=True)
     return _figures(json.loads(out.read_text()))
-
-
-def serving(start: Callable[[int, Path], subprocess.Popen], label: str, work: Path, run: Callable[[str], dict]) -> dict:
-    """Start a server, wait for /health, ``run(url)``, stop it."""
-    port, log = free_port(), work / f"{label}.log"
-    proc = start(port, log)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, log)
-        return run(f"http://127.0.0.1:{port}")
-    finally:
-        stop_server(proc)
 
 
 def start_ember(port: int, log: Path) -> subprocess.Popen:
@@ -131,7 +119,7 @@ def main() -> int:
             before = offline(n, args.max_tokens, work)
             print(_line(f"{n} streams, offline", before), flush=True)
 
-            def ember_runs(url: str, n: int = n) -> dict:
+            def ember_runs(url: str, _healthy: float, n: int = n) -> dict:
                 return {"served": client(url, n, n, args.max_tokens, work, "ember"),
                         "served_client_pinned": client(url, n, n, args.max_tokens, work, "ember_pinned", pin)}
 
@@ -151,7 +139,7 @@ def main() -> int:
 
                 peer = serving(lambda port, log, n=n: start_llama_server(binary, gguf, port, n, log),
                                f"llama_cpp_{n}", work,
-                               lambda url, n=n: client(url, n, n, args.max_tokens, work, "llama_cpp"))
+                               lambda url, _, n=n: client(url, n, n, args.max_tokens, work, "llama_cpp"))
                 entry["llama_cpp_served"] = peer
                 entry["ember_over_llama_cpp"] = runs["served"]["output_tokens_per_s"] / peer["output_tokens_per_s"]
                 print(_line(f"{n} streams, llama.cpp server ({n} slots)", peer), flush=True)
@@ -161,9 +149,10 @@ def main() -> int:
         if binary is not None:
             k, tokens = args.batch1_prompts, args.batch1_tokens
             one = {"ember": serving(start_ember, "ember_1", work,
-                                    lambda url: client(url, k, 1, tokens, work, "ember_b1")),
+                                    lambda url, _: client(url, k, 1, tokens, work, "ember_b1")),
                    "llama_cpp": serving(lambda port, log: start_llama_server(binary, gguf, port, 1, log),
-                                        "llama_cpp_1", work, lambda url: client(url, k, 1, tokens, work, "llama_b1"))}
+                                        "llama_cpp_1", work,
+                                        lambda url, _: client(url, k, 1, tokens, work, "llama_b1"))}
             one["ember_over_llama_cpp"] = one["ember"]["output_tokens_per_s"] / one["llama_cpp"]["output_tokens_per_s"]
             result["batch1"] = one
             print(_line(f"batch 1 ({k} x {tokens} tokens), Ember served", one["ember"]), flush=True)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_quant import LLAMA_CPP_VERSION, llama_cpp_cmake_args  # noqa: E402
+from bench_quant import LLAMA_CPP_VERSION, llama_cpp_build_dir, llama_cpp_cmake_args  # noqa: E402
 
 # the server, without what it would download (UI assets, models by URL)
 SERVER_CMAKE_ARGS = ("-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF "
@@ -46,13 +46,7 @@ CONTEXT_PER_SLOT = 512  # tokens: a chat prompt of the benchmark and its 128-256
 
 
 def server_dir() -> Path:
-    if env := os.environ.get("EMBER_BENCH_LLAMA_SERVER_DIR"):
-        return Path(env).expanduser()
-    from ember.weights import ember_cache_dir
-
-    _, tag = llama_cpp_cmake_args()
-    suffix = "" if tag == "native" else f"-{tag}"
-    return ember_cache_dir() / "bench" / f"llama-server-{LLAMA_CPP_VERSION}{suffix}"
+    return llama_cpp_build_dir("EMBER_BENCH_LLAMA_SERVER_DIR", "llama-server")
 
 
 def _run(what: str, cmd: list[str], log: Callable[[str], None], **kwargs) -> str:

@@ -168,17 +168,25 @@ class CPUBackend(BaseBackend):
         # A bf16 model computed in fp32 keeps a bf16 copy of each matmul weight for
         # products of few rows (decode of a small batch), which are bound by reading
         # the weights: see SmallBatchLinear and ember.hardware.cpu_kernels. Costs
-        # half the weights' fp32 bytes again; the options native=false or
-        # small_batch_rows=0 turn it off.
+        # half the weights' fp32 bytes again.
+        op = self._few_row_op(model, SmallBatchLinear)
+        if op is not None:
+            model.set_linear_op(op)
+
+    def _few_row_op(self, model, op_class):
+        """``op_class(model.linear_op, kernels, rows)`` (SmallBatchLinear or
+        FewRowLinear) holding the model's float32 matmul weights, for products of up to
+        small_batch_rows rows (the fp32 path's); None where the options native=false or
+        small_batch_rows=0 turn the few-row kernel off."""
         rows = self.options.small_batch_rows_for("fp32")
         kernels = self._kernels() if rows > 0 else None
         if kernels is None:
-            return
-        op = SmallBatchLinear(model.linear_op, kernels, rows)
+            return None
+        op = op_class(model.linear_op, kernels, rows)
         for weight in model.matmul_weights():
-            if weight.dtype == torch.float32 and weight.dim() == 2:
+            if weight.dtype == torch.float32 and weight.dim() == 2 and not weight.is_mkldnn and weight.is_contiguous():
                 op.add(weight)
-        model.set_linear_op(op)
+        return op
 
     def _bf16_dot(self, kernels) -> bool:
         """Whether the bf16 path's few-row kernel is the bf16 dot-product one (option
@@ -199,19 +207,11 @@ class CPUBackend(BaseBackend):
         # A float32 model: products of few rows (decode of a small batch, a speculative
         # verification) read the float32 weights through the native GEMV (FewRowLinear),
         # which reads them faster than oneDNN's and computes each row as it would alone.
-        # The options native=false or small_batch_rows=0 turn it off.
-        rows = self.options.small_batch_rows_for("fp32")
-        kernels = self._kernels() if rows > 0 else None
-        if kernels is None:
-            return
-        op = FewRowLinear(model.linear_op, kernels, rows)
-        for weight in model.matmul_weights():
-            if weight.dtype == torch.float32 and weight.dim() == 2 and not weight.is_mkldnn and weight.is_contiguous():
-                op.add(weight)
-        if len(op):
+        op = self._few_row_op(model, FewRowLinear)
+        if op is not None and len(op):
             model.set_linear_op(op)
             logger.info("cpu backend: products of up to %d rows over %d float32 weights take the native GEMV",
-                        rows, len(op))
+                        op.max_rows, len(op))
 
     def _pack_weights(self, model) -> None:
         # The bf16 path: every Linear's weight is replaced by its oneDNN-packed form; a
