@@ -186,6 +186,11 @@ class EngineConfig:
     pooling: str = "auto"
     pooling_normalize: bool | None = None
     matryoshka: bool | None = None
+    # Images (docs/multimodal.md): items of each modality one prompt may hold (vLLM's
+    # --limit-mm-per-prompt: {"image": 4}, or "image=4"; empty: 4 images), and the encoder
+    # cache's size in embeddings (None: 8192 or a step's token budget, the larger)
+    limit_mm_per_prompt: Mapping[str, int] | str | None = None
+    encoder_cache_size: int | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -244,6 +249,9 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         self._check_lora()
+        size = self.encoder_cache_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"encoder_cache_size must be a positive number of embeddings, got {size!r}")
         if self.num_kv_tokens is not None:
             if self.num_kv_blocks is not None:
                 raise ValueError("give num_kv_blocks or num_kv_tokens, not both")

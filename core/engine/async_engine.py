@@ -229,6 +229,7 @@ class AsyncLLMEngine(CoreProcessReader, EngineClient):
         validated: bool = False,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         adapter: str | None = None,
+        mm_items: tuple = (),
     ) -> AsyncIterator[RequestOutput]:
         """Validate (unless ``validated``: the caller checked exactly these ids and
         params with :meth:`validate`), queue and stream one request's outputs (the last
@@ -237,7 +238,8 @@ class AsyncLLMEngine(CoreProcessReader, EngineClient):
 
         Leaving the iterator early (client gone, task cancelled) aborts the request,
         which frees its KV blocks at the engine's next step. ``adapter``: a served
-        adapter's name (`UnknownAdapterError` for another).
+        adapter's name (`UnknownAdapterError` for another). ``mm_items``: the prompt's
+        images, processed (`ember.multimodal.processor`; the ids already expanded).
         """
         if not self.is_running:
             if (cause := self._restart_cause) is not None:
@@ -257,7 +259,7 @@ class AsyncLLMEngine(CoreProcessReader, EngineClient):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self.output_processor.add_request(request_id, prompt, ids, params, output_kind)
-        self._send(EngineCoreRequest(request_id, ids, params, priority, adapter))
+        self._send(EngineCoreRequest(request_id, ids, params, priority, adapter, mm_items=tuple(mm_items)))
         finished = False
         try:
             while True:

@@ -39,6 +39,7 @@ from ember.plugin.manager import EmberPluginManager
 from ember.plugin.quantizer import select_quantizer
 from ember.plugin.speculator import SpeculatorContext
 from ember.sampling_params import SamplingParams
+from ember.sched.encoder_cache import encoder_cache_for
 from ember.sched.kv_cache_manager import KVCacheManager
 from ember.sched.request import Request, RequestStatus
 from ember.sched.scheduler import Scheduler, record_step
@@ -72,6 +73,7 @@ class EngineCoreRequest:
     priority: int = 0
     adapter: str | None = None  # the adapter (LoRA) it runs under, by name; None: the base model
     adapter_id: int = 0  # set by the core from ``adapter`` (ember.engine.adapters)
+    mm_items: tuple = ()  # its images, processed (ember.multimodal.inputs.MultiModalItem), prompt expanded
 
 
 @dataclass
@@ -162,7 +164,7 @@ class EngineCore:
                 prefill_context_scale(self.hf_config), prefill_batched,
                 config.max_loras if config.lora_enabled else None,
             ),
-            self.kv_manager,
+            self.kv_manager, encoder_cache_for(self.model, config.encoder_cache_size, max_batched),
         )
         # Processors are resolved once, here; per step the runner calls them directly.
         self.logits_pipeline = LogitsPipeline.from_registry(
@@ -285,7 +287,7 @@ class EngineCore:
         if request.params.pooling is not None:  # the model's pooling where the request left it open
             request = replace(request, params=replace(request.params, pooling=self.pooling.apply(request.params.pooling)))
         if request.params.constraint is not None:
-            self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params))
+            self.scheduler.check_request_fits(Request(rid, request.prompt_token_ids, request.params, mm_items=request.mm_items))
             self.grammar.submit(rid, request.params, request)
             return
         self._admit(request)
@@ -293,10 +295,10 @@ class EngineCore:
     def _admit(self, request: EngineCoreRequest, grammar: BaseCompiledGrammar | None = None) -> None:
         if request.params.num_samples == 1:
             self._add(request.request_id, request.prompt_token_ids, request.params, request.priority, grammar,
-                      request.adapter_id)
+                      request.adapter_id, request.mm_items)
             return
         self._add(child_id(request.request_id, 0), request.prompt_token_ids, child_params(request.params, 0),
-                  request.priority, grammar, request.adapter_id)
+                  request.priority, grammar, request.adapter_id, request.mm_items)
         group = _PendingGroup(request, len(request.prompt_token_ids), grammar)
         if self.kv_manager.enable_prefix_caching:
             self._pending_groups[request.request_id] = group
@@ -305,15 +307,13 @@ class EngineCore:
 
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-        grammar: BaseCompiledGrammar | None = None, adapter_id: int = 0,
+        grammar: BaseCompiledGrammar | None = None, adapter_id: int = 0, mm_items: tuple = (),
     ) -> None:
         self.scheduler.add_request(Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            adapter_id=adapter_id,
+            eos_token_ids=self.eos_token_ids, priority=priority, adapter_id=adapter_id, mm_items=mm_items,
         ))
         if grammar is not None:
             self.grammar.add_matcher(request_id, grammar, params, self.max_model_len - len(prompt_token_ids))
@@ -323,7 +323,7 @@ class EngineCore:
         for index in range(1, r.params.num_samples):
             self._add(
                 child_id(r.request_id, index), r.prompt_token_ids, child_params(r.params, index), r.priority,
-                group.grammar, r.adapter_id,
+                group.grammar, r.adapter_id, r.mm_items,
             )
 
     def _admit_ready_siblings(self) -> None:

@@ -12,6 +12,10 @@ from ember.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_se
 from ember.engine.input_processor import apply_chat_template
 from ember.engine.llm_engine import LLMEngine
 from ember.engine.tool_calls import chat_messages, setup_tools
+from ember.multimodal.chat import ImageRef
+from ember.multimodal.fetch import FetchPolicy
+from ember.multimodal.limits import MediaLimits
+from ember.multimodal.sources import load_image
 from ember.outputs import PoolingOutput, RequestOutput
 from ember.pooling_params import PoolingParams
 from ember.sampling_params import SamplingParams
@@ -30,9 +34,12 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, dtype: str = "auto", *, plugin_manager=None, **kwargs
+        self, model: str | None = None, dtype: str = "auto", *, plugin_manager=None,
+        allowed_media_domains: Sequence[str] = (), allowed_local_media_path: str | None = None, **kwargs
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), plugin_manager)
+        # images named by URL (docs/multimodal.md): remote hosts and a local folder only where allowed
+        self.fetch_policy = FetchPolicy(tuple(allowed_media_domains), allowed_local_media_path)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -50,13 +57,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: str | dict | Sequence[str | dict] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         priority: int | Sequence[int] | None = None,
         lora_request=None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. A single ``SamplingParams`` applies to all.
+
+        A prompt may be vLLM's dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
+        with ``"multi_modal_data": {"image": image or [images]}`` (PIL images or URLs),
+        one image placeholder per image in the prompt (docs/multimodal.md).
 
         ``priority`` (one for all, or one per prompt): lower is scheduled first and
         preempted last when the KV cache runs short; equal ones are first come, first served.
@@ -65,7 +76,7 @@ class LLM:
         loaded on first use (an engine built with ``enable_lora=True``)."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         count = len(prompts) if prompts is not None else len(prompt_token_ids)
         if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != count:
@@ -82,9 +93,37 @@ class LLM:
         for i in range(count):
             prompt = prompts[i] if prompts is not None else None
             ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
+            mm_items = ()
+            if isinstance(prompt, dict):
+                prompt, ids, mm_items = self._multimodal_prompt(prompt, f"prompts[{i}]")
             request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i],
-                                                       adapter=adapters[i]))
+                                                       adapter=adapters[i], mm_items=mm_items))
         return self._run(request_ids)  # best_of applied by the engine (the output processor)
+
+    def _multimodal_prompt(self, prompt: dict, where: str) -> tuple[str | None, list[int], tuple]:
+        """vLLM's prompt dict to (text, expanded ids, image items)."""
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)} (prompt, prompt_token_ids, multi_modal_data)")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if (text is None) == (ids is None):
+            raise ValueError(f"{where} needs exactly one of 'prompt' and 'prompt_token_ids'")
+        ids = self.engine.tokenize(text) if ids is None else list(ids)
+        data = prompt.get("multi_modal_data") or {}
+        if set(data) - {"image"}:
+            raise ValueError(f"{where}.multi_modal_data: only 'image' is supported, got {sorted(data)}")
+        images = data.get("image", [])
+        refs = [ImageRef(image, f"{where}.multi_modal_data.image[{k}]")
+                for k, image in enumerate(images if isinstance(images, (list, tuple)) else [images])]
+        if not refs:
+            return text, ids, ()
+        ids, items = self.engine.process_images(ids, self._load_images(refs))
+        return text, ids, items
+
+    def _load_images(self, refs: list[ImageRef]) -> list:
+        processor = self.engine.multimodal_processor
+        limits = processor.limits if processor is not None else MediaLimits()
+        return [load_image(ref.source, self.fetch_policy, limits, ref.where) for ref in refs]
 
     def embed(
         self,

@@ -10,12 +10,15 @@ a thread or a process of its own (`ember.engine.async_engine`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreRequest
 from ember.engine.input_processor import InputProcessor
 from ember.engine.output_processor import OutputKind, OutputProcessor
+from ember.models.vision_language import create_multimodal_processor
+from ember.multimodal.limits import MediaLimits, parse_limit_mm_per_prompt
 from ember.outputs import RequestOutput
 from ember.plugin.manager import EmberPluginManager
 from ember.sampling_params import SamplingParams
@@ -73,6 +76,7 @@ class LLMEngine:
         validated: bool = False,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         adapter: str | None = None,
+        mm_items: tuple = (),
     ) -> str:
         """Queue a request; it joins the running batch at the next step.
 
@@ -81,6 +85,7 @@ class LLMEngine:
         does, and for a priority that is not an integer. ``validated``: the caller
         already validated exactly these ids and params, so it is not done twice.
         ``adapter``: the name of a loaded adapter (LoRA) to run under (`add_adapter`).
+        ``mm_items``: the prompt's images as `process_images` made them (the ids expanded).
         """
         check_priority(priority)  # before any state: a group would be half-registered
         if not validated:
@@ -88,9 +93,27 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority, adapter))
+        self.core.add_request(EngineCoreRequest(request_id, prompt_token_ids, params, priority, adapter,
+                                                mm_items=tuple(mm_items)))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         return request_id
+
+    def process_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], tuple]:
+        """The prompt's ids with each image placeholder expanded, and the images'
+        items (`ember.multimodal.processor`); ValueError for a model that takes none."""
+        processor = self.multimodal_processor
+        if processor is None:
+            raise ValueError(f"model {self.model_info.model or 'the default model'!r} takes no images "
+                             "(it is a text-only model)")
+        return processor.process(prompt_token_ids, images)
+
+    @functools.cached_property
+    def multimodal_processor(self):
+        """The model's media processor, None for a text-only model (built at first use)."""
+        core = self.core
+        limits = MediaLimits(parse_limit_mm_per_prompt(core.config.limit_mm_per_prompt))
+        return create_multimodal_processor(core.model_dir, core.hf_config, core.plugin_manager.registries.model_architectures,
+                                           limits, core.config.model_impl)
 
     def abort_request(self, request_id: str) -> bool:
         ids = self.output_processor.abort(request_id)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ember.models.base import BaseCausalLM
 from ember.config import MODEL_IMPLS
 from ember.models.layers import Linear
+from ember.multimodal.config import text_view
 from ember.models.transformers_impl import TransformersCausalLM, transformers_class
 from ember.plugin.backend import BaseAttention, BaseBackend
 from ember.plugin.quantizer import BaseQuantizer, resolve_ops
@@ -35,7 +36,7 @@ def read_json_object(path: Path) -> dict:
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
-    """The model's config.json; `InvalidCheckpointError` (a `ValueError`) naming the file if it
+    """The model's config.json (a vision-language model's as its decoder's, `text_view`); `InvalidCheckpointError` (a `ValueError`) naming the file if it
     is not a JSON object, `ValueError` for anything else transformers refuses in it."""
     path = Path(model_dir) / "config.json"
     try:
@@ -43,9 +44,10 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     except OSError:
         pass  # not readable here: transformers says what is wrong below
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ValueError(f"could not read the model config {str(path)!r}: {exc}") from exc
+    return text_view(config)  # a vision-language checkpoint: its decoder's figures (ember.multimodal.config)
 
 
 def model_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:

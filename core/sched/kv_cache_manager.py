@@ -35,11 +35,26 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_digest(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """sha256 over the parent's digest and the block's token ids (collisions negligible)."""
+def block_digest(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """sha256 over the parent's digest, the block's token ids and ``extra`` (what else
+    decides its K/V: the content hashes of the images it overlaps; collisions negligible)."""
     h = hashlib.sha256(parent or b"\0" * 32)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra:
+        h.update(extra)
     return h.digest()
+
+
+def block_extras(mm_items: Sequence, num_blocks: int, block_size: int) -> list[bytes]:
+    """Per block, the content hashes of the images whose runs overlap it (b"" for none):
+    an image's placeholder tokens are the same for every image, so its hash goes into
+    the digest of every block it touches (and, through the chain, of every later block)."""
+    extras = [b""] * num_blocks
+    for item in mm_items:
+        first, last = item.offset // block_size, min(num_blocks, -(-item.end // block_size))
+        for i in range(first, last):
+            extras[i] += item.content_hash.encode()
+    return extras
 
 
 def adapter_root(adapter_id: int) -> bytes | None:
@@ -154,17 +169,20 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix caching ---------------------------------------------------------
-    def find_cached_prefix(self, prompt_token_ids: Sequence[int], adapter_id: int = 0) -> list[int]:
+    def find_cached_prefix(self, prompt_token_ids: Sequence[int], adapter_id: int = 0,
+                           mm_items: Sequence = ()) -> list[int]:
         """Block ids caching the longest prefix of the prompt (computed under the same
-        adapter), in order. The last prompt token is never covered: its logits are
-        needed, so it is recomputed."""
+        adapter, with the same images), in order. The last prompt token is never
+        covered: its logits are needed, so it is recomputed."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         found: list[int] = []
         parent: bytes | None = adapter_root(adapter_id)
-        for i in range((len(prompt_token_ids) - 1) // bs):
-            parent = block_digest(parent, prompt_token_ids[i * bs : (i + 1) * bs])
+        num = (len(prompt_token_ids) - 1) // bs
+        extras = block_extras(mm_items, num, bs) if mm_items else None
+        for i in range(num):
+            parent = block_digest(parent, prompt_token_ids[i * bs : (i + 1) * bs], extras[i] if extras else b"")
             block_id = self.pool.cached.get(parent)
             if block_id is None:
                 break
@@ -192,17 +210,20 @@ class KVCacheManager:
         return len(self._digests.get(request_id, ())) < num_full
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          adapter_id: int = 0) -> None:
-        """Register the request's blocks that became full of computed tokens (under ``adapter_id``)."""
+                          adapter_id: int = 0, mm_items: Sequence = ()) -> None:
+        """Register the request's blocks that became full of computed tokens (under
+        ``adapter_id``, with ``mm_items``' images)."""
         if not self.enable_prefix_caching:
             return
         table = self._block_tables.get(request_id, [])
         digests = self._digests.setdefault(request_id, [])
         bs = self.block_size
-        while len(digests) < num_computed_tokens // bs and len(digests) < len(table):
+        num = min(num_computed_tokens // bs, len(table))
+        extras = block_extras(mm_items, num, bs) if mm_items and len(digests) < num else None
+        while len(digests) < num:
             i = len(digests)
             parent = digests[-1] if digests else adapter_root(adapter_id)
-            digest = block_digest(parent, token_ids[i * bs : (i + 1) * bs])
+            digest = block_digest(parent, token_ids[i * bs : (i + 1) * bs], extras[i] if extras else b"")
             digests.append(digest)
             self.pool.register(table[i], digest)
 

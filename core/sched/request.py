@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ember.logprobs import PositionLogprobs
+from ember.multimodal.inputs import MultiModalItem
 from ember.outputs import RequestMetrics
 from ember.sampling_params import SamplingParams
 
@@ -85,6 +86,8 @@ class Request:
     arrival_index: int = 0  # set by the scheduler: FCFS order within a priority level
     priority: int = 0  # lower is scheduled first (and preempted last)
     adapter_id: int = 0  # the adapter it runs under (ember.engine.adapters; 0: the base model)
+    # its images, in prompt order (ember.multimodal.inputs): runs of prompt tokens that take encoder rows
+    mm_items: tuple[MultiModalItem, ...] = ()
     num_preemptions: int = 0  # times its KV was freed to be recomputed later
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

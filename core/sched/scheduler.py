@@ -32,8 +32,11 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from ember.config import SchedulerConfig
+from ember.sched.encoder_cache import EncoderCacheManager
+from ember.sched.encoder_planner import EncoderPlanner
 from ember.sched.kv_cache_manager import KVCacheManager
 from ember.sched.request import Request, RequestStatus, check_priority, check_request_fits
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput, StepStats
@@ -74,9 +77,17 @@ def _queue_order(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    """``encoder_cache`` (a model that takes images): what the runner holds of images'
+    encoder outputs; `ember.sched.encoder_planner` decides what each step encodes (at
+    most ``max_num_batched_tokens`` embeddings) and stops a chunk before an image
+    neither encoded nor encodable."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 encoder_cache: EncoderCacheManager | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.encoder_cache = encoder_cache
+        self.images = None if encoder_cache is None else EncoderPlanner(encoder_cache, config.max_num_batched_tokens)
         self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -96,6 +107,11 @@ class Scheduler:
             max_num_batched_tokens=self.config.max_num_batched_tokens, num_kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size, pooling=request.sampling_params.pooling is not None,
         )
+        if request.mm_items:
+            if self.encoder_cache is None:
+                raise ValueError("this model takes no images")
+            for item in request.mm_items:
+                self.encoder_cache.check_fits(item)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -140,6 +156,8 @@ class Scheduler:
         tokens given back (it may already have been scheduled this step)."""
         self.running.remove(request)
         self.kv.free(request.request_id)
+        if request.mm_items:
+            self.images.drop(request, scheduled, self.requests)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -186,6 +204,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[str, int] = {}  # request id -> tokens, in scheduling order
         preempted_for_blocks = False
+        if self.images is not None:
+            self.images.start_step()
 
         # Decodes first, then prompts (or preempted requests) being computed in chunks:
         # a long prompt never holds back the tokens of requests already generating.
@@ -202,6 +222,10 @@ class Scheduler:
             num_new, cost = self._chunk(
                 request.num_tokens - request.num_computed_tokens, budget, request.num_computed_tokens, weigh
             )
+            start = request.num_computed_tokens
+            if request.mm_items:
+                num_new, cost, to_encode = self.images.fit_chunk(
+                    request, start, num_new, cost, partial(self._chunk, budget=budget, start=start, weigh=weigh))
             if num_new <= 0:
                 continue
             if num_new == 1:
@@ -217,6 +241,8 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
+            if request.mm_items:
+                self.images.commit(request, start, num_new, to_encode)
             scheduled[request.request_id] = num_new
             budget -= cost
 
@@ -243,6 +269,9 @@ class Scheduler:
             cached = self._cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new, cost = self._chunk(request.num_tokens - num_cached_tokens, budget, num_cached_tokens, weigh)
+            if request.mm_items:
+                num_new, cost, to_encode = self.images.fit_chunk(request, num_cached_tokens, num_new, cost, partial(
+                    self._chunk, budget=budget, start=num_cached_tokens, weigh=weigh))
             if num_new <= 0:
                 break
             allocated = self.kv.allocate_slots(request.request_id, num_cached_tokens + num_new, cached_blocks=cached)
@@ -255,6 +284,8 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             request.draft_token_ids = []
+            if request.mm_items:
+                self.images.commit(request, num_cached_tokens, num_new, to_encode)
             self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -287,7 +318,7 @@ class Scheduler:
             if request.num_blocks_in_runner < 0:
                 new.append(NewRequest(
                     request_id, request.prompt_token_ids, list(request.output_token_ids), request.sampling_params,
-                    request.eos_token_ids, list(table), start, request.adapter_id,
+                    request.eos_token_ids, list(table), start, request.adapter_id, request.mm_items,
                 ))
             else:
                 cached.append(CachedRequest(request_id, table[request.num_blocks_in_runner :], start))
@@ -312,6 +343,8 @@ class Scheduler:
             draft_token_ids=drafts,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            encoder_inputs=self.images.encode if self.images is not None else {},
+            freed_encoder_hashes=self.encoder_cache.take_freed() if self.encoder_cache is not None else [],
         )
 
     def _cached_prefix(self, request: Request) -> list[int]:
@@ -328,7 +361,7 @@ class Scheduler:
         if pooling is not None and pooling.needs_every_position:  # mean / CLS read every hidden state
             return []
         return self.kv.find_cached_prefix(request.all_token_ids if request.output_token_ids else request.prompt_token_ids,
-                                          request.adapter_id)
+                                          request.adapter_id, request.mm_items)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -375,7 +408,10 @@ class Scheduler:
             num_known = min(request.num_computed_tokens, request.num_tokens)  # a stop may cut accepted drafts
             if self.kv.has_uncached_full_blocks(request_id, num_known):
                 # all_token_ids copies the sequence: only when a block just filled up
-                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known, request.adapter_id)
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_known, request.adapter_id,
+                                          request.mm_items)
+            if request.mm_items and start < request.num_prompt_tokens:  # images whose runs are now computed
+                self.images.computed(request, start)
             if self.kv.sliding_window is not None:  # every layer slides: blocks behind the window go back
                 self.kv.release_out_of_window(request_id, num_known)
             if status is not None:
@@ -416,6 +452,8 @@ class Scheduler:
         else:
             self.running.remove(request)
         self.kv.free(request.request_id)
+        if request.mm_items:
+            self.images.drop(request, None, self.requests)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 

@@ -15,7 +15,7 @@ keeps its own copy of every request's tokens and appends what it samples; a requ
 that is preempted leaves the runner's batch and comes back as a `NewRequest` holding
 the tokens it had generated.
 
-Two slots serve the plugin kinds built on this step:
+Three slots serve what is built on this step:
 
 * **draft tokens** (speculative decoding): ``draft_token_ids[id]`` are ``k`` proposed
   tokens that follow the request's last token. They are computed as ``k`` extra query
@@ -25,6 +25,10 @@ Two slots serve the plugin kinds built on this step:
   the accepted positions as computed: rejected positions' KV slots lie past the
   request's computed tokens, are never hashed into the prefix cache, and are
   overwritten by the next step.
+* **encoder inputs** (images): ``encoder_inputs[id]`` lists the request's images the
+  runner encodes this step, before the forward pass; every image a step's tokens
+  overlap is either among them or already in the runner's encoder cache (the
+  scheduler cuts a chunk before an image that is neither).
 * **allowed-token masks** (grammar-guided decoding): ``allowed_token_masks[id]`` is a
   bool tensor ``(positions, vocab)``, one row per position the request samples at
   this step (``1 + len(draft_token_ids[id])``); the runner sets the logits of tokens
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.logprobs import PositionLogprobs
+from ember.multimodal.inputs import MultiModalItem
 from ember.sampling_params import SamplingParams
 
 
@@ -59,6 +64,8 @@ class NewRequest:
     block_ids: list[int]
     num_computed_tokens: int  # already in the KV cache (a prefix-cache hit)
     adapter_id: int = 0  # the adapter it runs under (0: the base model)
+    # its images with their processor tensors (sent once: the runner keeps them while it runs)
+    mm_items: tuple[MultiModalItem, ...] = ()
 
 
 @dataclass(slots=True)
@@ -91,6 +98,11 @@ class SchedulerOutput:
     # drops their state for good) and preempted (they come back as NewRequest).
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
+    # Images (ember.sched.encoder_cache): request id -> indices of its ``mm_items`` the
+    # runner encodes this step (each distinct content hash once), and the hashes whose
+    # encoder outputs it drops first (evicted)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_encoder_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

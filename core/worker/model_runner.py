@@ -30,6 +30,7 @@ from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend
 from ember.plugin.logits_processor import SamplingRow
 from ember.sampling_params import SamplingParams
 from ember.sched.step import CachedRequest, ModelRunnerOutput, NewRequest, SchedulerOutput
+from ember.worker.encoder_runner import EncoderRunner
 from ember.worker.graphs import DecodeGraphs
 from ember.worker.logits_pipeline import LogitsPipeline, apply_token_masks
 from ember.worker.pooler import Pooler
@@ -55,6 +56,7 @@ class RunnerRequest:
     # tokens proposed for this step (written after the request's tokens)
     draft_token_ids: list[int] = field(default_factory=list)
     adapter_id: int = 0  # the adapter (LoRA) it runs under; 0: the base model
+    mm_items: tuple = ()  # its images (ember.multimodal.inputs.MultiModalItem)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,7 +112,7 @@ class InputBatch:
         row = self._free_rows.pop()
         request = RunnerRequest(
             new.request_id, row, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-            tuple(new.eos_token_ids), new.num_computed_tokens, adapter_id=new.adapter_id,
+            tuple(new.eos_token_ids), new.num_computed_tokens, adapter_id=new.adapter_id, mm_items=new.mm_items,
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         self._ensure_width(len(tokens))
@@ -284,6 +286,7 @@ class ModelRunner:
         self.step_hidden: list[tuple[str, int, torch.Tensor]] = []
         self.adapter_slots = None  # adapters (LoRA) by slot and each step's runs (ember.worker.adapter_slots)
         self.pooler = Pooler()  # pooling requests' vectors (ember.worker.pooler)
+        self.encoder_runner = EncoderRunner(model) if getattr(model, "supports_images", False) else None  # images
 
     def capture_graphs(self, capture, sizes) -> DecodeGraphs:
         """Capture decode-only forward passes of ``sizes`` requests with the backend's
@@ -329,6 +332,8 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_batch(scheduler_output)
+        if self.encoder_runner is not None:
+            self.encoder_runner.run(scheduler_output, self.batch.requests)
         if self.collect_all_hidden:
             self.step_hidden = []
         if not scheduler_output.num_scheduled_tokens:  # nothing to compute
@@ -380,7 +385,8 @@ class ModelRunner:
             query_lens.append(num_tokens)
             num_flat += num_tokens
         input_ids, positions, attention_batch = batch.gather(requests, query_lens)
-        graphs = self.graphs
+        embeds = self.encoder_runner and self.encoder_runner.input_embeds(input_ids, requests, query_lens)
+        graphs = self.graphs if embeds is None else None
         if self.adapter_slots is not None and self.adapter_slots.prepare([r.adapter_id for r in requests], query_lens):
             graphs = None  # adapter tokens a captured graph cannot compute: eager
         if graphs is not None and num_flat == len(requests) <= graphs.max_size:  # one token each: decodes
@@ -389,7 +395,8 @@ class ModelRunner:
             metadata = self.attention.prepare(attention_batch)
             if device.type != "cpu":
                 input_ids, positions = input_ids.to(device), positions.to(device)
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            extra = {} if embeds is None else {"inputs_embeds": embeds}  # image rows in place (EncoderRunner)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, **extra)
         token_ids: list[int] = []
         logprobs: list[float] = []
         top: list[PositionLogprobs | None] | None = None  # None: no request of the step asks

@@ -1,0 +1,34 @@
+"""The contract between a vision-language architecture and Ember's media processing.
+
+A model class that takes images returns a `MultiModalSpec` from its classmethod
+``multimodal_spec(hf_config)`` (None, the default of `ember.models.base.BaseCausalLM`:
+the model takes no images). The spec is read outside the engine (the server's
+request path, the offline `LLM`), so it holds only what the config says: no weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class MultiModalSpec(ABC):
+    """How a family's prompts hold images.
+
+    ``image_token_id``: the placeholder token an image stands as in a prompt before
+    expansion (one per image, where the image goes). ``prompt_text``: what a chat's
+    image part becomes in the templated text (it tokenizes to the placeholder, with any
+    markers the family puts around it). ``processor_kwargs``: keyword arguments for the
+    image processor's call."""
+
+    image_token_id: int
+    prompt_text: str
+    processor_kwargs: dict = {}
+
+    @abstractmethod
+    def expand(self, data: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens one processed image (its processor outputs, batch dimension 1)
+        takes in the prompt in place of its placeholder, and which of them take encoder
+        rows (bool ``(len(tokens),)``; None: all). The model's encoder must give exactly
+        that many rows for it (`ember.models.vision.BaseVisionLanguageModel.encode_images`)."""

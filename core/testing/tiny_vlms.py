@@ -1,0 +1,62 @@
+"""Tiny random vision-language models, saved the way Hugging Face saves them (config,
+safetensors, tokenizer, image processor), for the tests and the conformance checks.
+
+The tokenizer is `ember.testing.tiny_models.byte_tokenizer` plus the family's image
+token; the image processor is the family's own, configured for small images so that
+an image is a few dozen tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ember.testing.tiny_models import VOCAB_SIZE, byte_tokenizer
+
+IMAGE_TOKEN = "<image>"
+
+
+def _tokenizer_with(*tokens: str):
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    return tokenizer
+
+
+def make_tiny_llava(out_dir: Path, seed: int = 0, image_size: int = 28, patch_size: int = 7,
+                    select_strategy: str = "default", feature_layer: int = -2, **text_overrides):
+    """LLaVA-1.5's shape: a CLIP vision tower, a two-layer GELU projector and a Llama
+    decoder; an image is ``(image_size / patch_size) ** 2`` tokens (16 by default).
+    Returns the transformers model (fp32, eval)."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    tokenizer = _tokenizer_with(IMAGE_TOKEN)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.3,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    text.update(text_overrides)
+    vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  image_size=image_size, patch_size=patch_size, projection_dim=32, initializer_range=0.3)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**vision), text_config=transformers.LlamaConfig(**text),
+        image_token_id=image_token_id, vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=select_strategy, projector_hidden_act="gelu",
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random weights at a scale that keeps image tokens' logits apart
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                if param.dim() > 1:
+                    param.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    return model

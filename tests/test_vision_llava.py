@@ -1,0 +1,127 @@
+"""LLaVA-1.5 (CLIP tower + projector + Llama) against transformers, fp32, on a tiny
+random model with its real image processor: greedy tokens equal and logprobs within
+1e-4 over image+text prompts, in continuous batches that mix requests with and without
+images and several images per request, with prefix caching, chunked prefill in chunks
+smaller than one image, and preemption; the encoder cache runs each distinct image
+once; prefix caching never lets two different images share a block."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ember import LLM, SamplingParams
+from ember.multimodal.limits import MediaError
+from ember.testing.tiny_vlms import make_tiny_llava
+
+LOGPROB_ATOL = 1e-4
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llava")
+    return path, make_tiny_llava(path, seed=3)
+
+
+def image(seed: int, size=(40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def hf_greedy(hf_model, image_processor, ids: list[int], images: list) -> tuple[list[int], list[float]]:
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True, **kwargs)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+PROMPTS = [  # (text, images): with and without images, two images, the same image again, an image first
+    ("Look: <image> what is it?", [1]),
+    ("no image at all, only words", []),
+    ("<image> and <image>: which one is brighter?", [2, 3]),
+    ("Look: <image> what is it?", [4]),  # same text as the first, another image
+    ("Again: <image>", [1]),
+    ("<image>", [5]),
+]
+
+
+def run_batch(llm: LLM, prompts=PROMPTS):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    inputs = [{"prompt": text, "multi_modal_data": {"image": [image(s) for s in seeds]}} for text, seeds in prompts]
+    return llm.generate(inputs, params)
+
+
+@pytest.mark.parametrize("engine_options", [
+    dict(),  # defaults: prefix caching and chunked prefill on
+    dict(max_num_batched_tokens=8, block_size=4),  # chunks of 8 tokens: every 16-token image spans chunks
+    dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16),  # a pool too small: preemptions
+], ids=["default", "chunks-smaller-than-an-image", "preemption"])
+def test_llava_matches_transformers_in_mixed_batches(llava, engine_options):
+    path, hf_model = llava
+    llm = LLM(model=str(path), dtype="float32", **engine_options)
+    outs = run_batch(llm)
+    image_processor = llm.engine.multimodal_processor.image_processor
+    for (text, seeds), out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy(hf_model, image_processor, out.prompt_token_ids, [image(s) for s in seeds])
+        assert out.outputs[0].token_ids == tokens, (text, seeds)
+        ember_lps = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert np.allclose(ember_lps, logprobs, atol=LOGPROB_ATOL), (text, seeds)
+    if "num_kv_blocks" in engine_options:
+        assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have preempted"
+
+
+def test_prompt_expansion_matches_the_transformers_processor(llava):
+    from transformers import LlavaProcessor
+
+    path, _ = llava
+    llm = LLM(model=str(path), dtype="float32")
+    processor = LlavaProcessor(image_processor=llm.engine.multimodal_processor.image_processor,
+                               tokenizer=llm.get_tokenizer(), patch_size=7, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1)
+    text = "<image> and <image>: which one?"
+    expected = processor(text=text, images=[image(2), image(3)], return_tensors="pt")["input_ids"][0].tolist()
+    ids, items = llm.engine.process_images(llm.engine.tokenize(text), [image(2), image(3)])
+    assert ids == expected
+    assert [(i.offset, i.length) for i in items] == [(0, 16), (21, 16)]
+
+
+def test_encoder_runs_once_per_distinct_image_and_prefix_cache_tells_images_apart(llava):
+    path, _ = llava
+    llm = LLM(model=str(path), dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    same = {"prompt": "Look: <image> what is it?", "multi_modal_data": {"image": image(1)}}
+    first = llm.generate([same], params)[0]
+    cache = llm.engine.scheduler.encoder_cache
+    assert cache.num_encoded == 1
+    again = llm.generate([same, same, {**same, "multi_modal_data": {"image": image(1)}}], params)
+    assert cache.num_encoded == 1, "the same image (same pixels) is never encoded again while cached"
+    assert all(o.outputs[0].token_ids == first.outputs[0].token_ids for o in again)
+    kv = llm.engine.kv_manager
+    hits_before = kv.num_prefix_hits
+    other = llm.generate([{**same, "multi_modal_data": {"image": image(9)}}], params)[0]
+    # "Look: " is 6 tokens: one full block of 4 is shared; every block the image touches is not
+    assert kv.num_prefix_hits - hits_before == 4
+    assert cache.num_encoded == 2
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_bad_image_requests_are_clear_errors(llava, tiny_llama_dir):
+    path, _ = llava
+    llm = LLM(model=str(path), dtype="float32", limit_mm_per_prompt="image=2")
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(MediaError, match=r"1 image placeholder\(s\).*but 2 image\(s\)"):
+        llm.generate({"prompt": "one <image>", "multi_modal_data": {"image": [image(1), image(2)]}}, params)
+    with pytest.raises(MediaError, match="3 images, more than the limit of 2"):
+        llm.generate({"prompt": "<image><image><image>", "multi_modal_data": {"image": [image(1)] * 3}}, params)
+    with pytest.raises(MediaError, match=r"prompts\[0\]\.multi_modal_data\.image\[0\].*remote media fetching is off"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": "http://127.0.0.1:9/x.png"}}, params)
+    text_only = LLM(model=str(tiny_llama_dir), dtype="float32")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}}, params)
