@@ -12,7 +12,7 @@ from ember.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_se
 from ember.engine.input_processor import apply_chat_template
 from ember.engine.llm_engine import LLMEngine
 from ember.engine.tool_calls import chat_messages, setup_tools
-from ember.multimodal.chat import ImageRef
+from ember.multimodal.chat import ImageRef, join_openai_parts
 from ember.multimodal.fetch import FetchPolicy
 from ember.multimodal.limits import MediaLimits
 from ember.multimodal.sources import load_image
@@ -120,6 +120,20 @@ class LLM:
         ids, items = self.engine.process_images(ids, self._load_images(refs))
         return text, ids, items
 
+    def _chat_images(self, conversation: list[dict], where: str) -> tuple[list[dict], list]:
+        """Messages whose content is a list of parts, as text with each image's
+        placeholder text in its place, and the images (loaded) in order."""
+        processor = self.engine.multimodal_processor
+        image_text = processor.spec.prompt_text if processor is not None else None
+        out, refs = [], []
+        for i, message in enumerate(conversation):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                text, found = join_openai_parts(content, image_text, f"{where}[{i}].content", self.engine.config.model)
+                message, refs = {**message, "content": text}, refs + found
+            out.append(message)
+        return out, self._load_images(refs)
+
     def _load_images(self, refs: list[ImageRef]) -> list:
         processor = self.engine.multimodal_processor
         limits = processor.limits if processor is not None else MediaLimits()
@@ -176,23 +190,30 @@ class LLM:
         ``tools`` (OpenAI's function tools), ``tool_choice`` and ``parallel_tool_calls``
         as in the chat API (`ember.engine.tool_calls`): a forced choice constrains the answer to
         a call, ``auto`` lets the model choose; each completion's ``tool_calls`` then
-        holds the calls read from its text. ValueError names a bad tool or choice."""
+        holds the calls read from its text. ValueError names a bad tool or choice.
+
+        A message's ``content`` may be OpenAI's list of parts: ``text``, ``image_url``
+        (``data:``, and ``http(s)://`` / ``file://`` where the ``LLM`` allows them) and
+        ``{"type": "image", "image": <PIL image>}`` (docs/multimodal.md)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         registry = self.engine.core.plugin_manager.registries.tool_parsers
         setup = setup_tools(tools, tool_choice, parallel_tool_calls, registry, template)
         encoded = []
-        for conv in conversations:
+        for k, conv in enumerate(conversations):
+            conv, images = self._chat_images(conv, f"messages[{k}]" if conv is not messages else "messages")
             conv, template_tools = chat_messages(conv, setup, registry, template)
             prompt = apply_chat_template(tokenizer, conv, template_tools)
-            encoded.append((prompt, tokenizer.encode(prompt, add_special_tokens=False)))
+            encoded.append((prompt, {"prompt_token_ids": tokenizer.encode(prompt, add_special_tokens=False),
+                                     "multi_modal_data": {"image": images}}))
         prompts = [prompt for prompt, _ in encoded]
-        ids = [token_ids for _, token_ids in encoded]
         params = self._params_list(sampling_params, len(prompts))
         if setup.forced is not None:
             params = [replace(p, constraint=setup.forced) for p in params]
-        outs = self.generate(prompts, params, prompt_token_ids=ids, priority=priority)
+        outs = self.generate([inputs for _, inputs in encoded], params, priority=priority)
+        for out, prompt in zip(outs, prompts):
+            out.prompt = prompt  # the templated text (the engine saw its token ids)
         if setup.parser is not None:
             for out in outs:
                 for completion in out.outputs:

@@ -113,7 +113,7 @@ class LLMEngine:
         core = self.core
         limits = MediaLimits(parse_limit_mm_per_prompt(core.config.limit_mm_per_prompt))
         return create_multimodal_processor(core.model_dir, core.hf_config, core.plugin_manager.registries.model_architectures,
-                                           limits, core.config.model_impl)
+                                           limits, core.config.model_impl, self.tokenizer)
 
     def abort_request(self, request_id: str) -> bool:
         ids = self.output_processor.abort(request_id)

@@ -35,10 +35,9 @@ class LlavaSpec(MultiModalSpec):
         self.extra = (1 if vision.model_type == "clip_vision_model" else 0) - (
             1 if cfg.vision_feature_select_strategy == "default" else 0)
 
-    def expand(self, data: dict[str, torch.Tensor]) -> tuple[list[int], None]:
+    def expand(self, data: dict[str, torch.Tensor]) -> str:
         height, width = data["pixel_values"].shape[-2:]
-        count = (height // self.patch_size) * (width // self.patch_size) + self.extra
-        return [self.image_token_id] * count, None
+        return self.prompt_text * ((height // self.patch_size) * (width // self.patch_size) + self.extra)
 
 
 def _feature_layer(cfg) -> int:

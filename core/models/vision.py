@@ -80,19 +80,23 @@ class VisionEncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
+# CLIP's tower, and SigLIP's with the towers built on it (Idefics3's and SmolVLM's take
+# SigLIP's shape; their variable-resolution position ids equal SigLIP's on full tiles)
+VISION_TOWERS = ("clip_vision_model", "siglip_vision_model", "idefics3_vision", "smolvlm_vision")
+
+
 class VisionTransformer(nn.Module):
     """CLIP's vision model (``clip_vision_model``: a class token, a layer norm before the
-    layers) or SigLIP's (``siglip_vision_model``: no class token, patch bias, a layer
-    norm after). ``forward`` returns the hidden states after layer ``num_layers_used``
+    layers) or SigLIP's (``siglip_vision_model`` and the towers on it: no class token,
+    patch bias, a layer norm after). ``forward`` returns the hidden states after layer ``num_layers_used``
     (transformers' ``hidden_states[num_layers_used]``; 0: the embeddings), so a
     projector that reads an inner layer (LLaVA's -2) never computes the layers after it."""
 
     def __init__(self, cfg, dtype, compute_dtype, device, num_layers_used: int | None = None) -> None:
         super().__init__()
         kind = cfg.model_type
-        if kind not in ("clip_vision_model", "siglip_vision_model"):
-            raise ValueError(f"vision tower {kind!r} is not supported (supported: clip_vision_model, "
-                             "siglip_vision_model)")
+        if kind not in VISION_TOWERS:
+            raise ValueError(f"vision tower {kind!r} is not supported (supported: {', '.join(VISION_TOWERS)})")
         self.is_clip = kind == "clip_vision_model"
         self.compute_dtype = compute_dtype
         self.patch_size = cfg.patch_size

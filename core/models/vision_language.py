@@ -48,11 +48,14 @@ def multimodal_spec_of(model_cls, hf_config) -> MultiModalSpec | None:
     return model_cls.multimodal_spec(hf_config)
 
 
-def create_multimodal_processor(model_dir, hf_config, architectures, limits=None, model_impl: str = "auto"):
+def create_multimodal_processor(model_dir, hf_config, architectures, limits=None, model_impl: str = "auto",
+                                tokenizer=None):
     """The media processor of the model in ``model_dir`` (None for a model that takes no
-    images): its image processor, its spec, ``limits`` (`ember.multimodal.limits.MediaLimits`)."""
+    images): its image processor, its spec, ``limits`` (`ember.multimodal.limits.MediaLimits`),
+    ``tokenizer`` (the model's, loaded when not given)."""
     from ember.models.loader import get_model_class
+    from ember.models.tokenizer import load_tokenizer
     from ember.multimodal.processor import MultiModalProcessor
 
     spec = multimodal_spec_of(get_model_class(hf_config, architectures, model_impl), hf_config)
-    return None if spec is None else MultiModalProcessor(model_dir, spec, limits)
+    return None if spec is None else MultiModalProcessor(model_dir, spec, tokenizer or load_tokenizer(model_dir), limits)

@@ -57,18 +57,27 @@ def content_hash(model_key: bytes, modality: str, data: dict[str, torch.Tensor])
 class MultiModalProcessor:
     """One per served model, shared by every request (thread-safe: keeps no request state)."""
 
-    def __init__(self, model_dir: Path, spec: MultiModalSpec, limits: MediaLimits | None = None,
+    def __init__(self, model_dir: Path, spec: MultiModalSpec, tokenizer, limits: MediaLimits | None = None,
                  image_processor=None) -> None:
         self.spec = spec
+        self.tokenizer = tokenizer
         self.limits = limits or MediaLimits()
         self.image_processor = image_processor or load_image_processor(model_dir)
         options = self.image_processor.to_json_string() if hasattr(self.image_processor, "to_json_string") else ""
         self._model_key = hashlib.sha256(f"{Path(model_dir).resolve()}|{type(spec).__name__}|{options}".encode()).digest()
 
     def process_image(self, image) -> dict[str, torch.Tensor]:
-        """One RGB image to its processor tensors (batch dimension 1)."""
+        """One RGB image to its processor outputs as tensors (batch dimension 1; lists of
+        integers, such as a tiling's rows and columns, become integer tensors)."""
         out = self.image_processor(images=[image], return_tensors="pt", **self.spec.processor_kwargs)
-        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in out.items()}
+
+    def expand(self, data: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """An image's run of tokens (`MultiModalSpec.expand`, tokenized) and which of
+        them take encoder rows (None: all)."""
+        tokens = self.tokenizer.encode(self.spec.expand(data), add_special_tokens=False)
+        mask = torch.tensor(tokens) == self.spec.image_token_id
+        return tokens, None if bool(mask.all()) else mask
 
     def process(self, prompt_token_ids: list[int], images: list, where: str | None = None
                 ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
@@ -88,7 +97,7 @@ class MultiModalProcessor:
         last = 0
         for slot, image in zip(slots, images):
             data = self.process_image(image)
-            tokens, mask = self.spec.expand(data)
+            tokens, mask = self.expand(data)
             out.extend(prompt_token_ids[last:slot])
             items.append(MultiModalItem("image", content_hash(self._model_key, "image", data), len(out), len(tokens),
                                         data, mask))

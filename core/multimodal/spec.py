@@ -27,8 +27,11 @@ class MultiModalSpec(ABC):
     processor_kwargs: dict = {}
 
     @abstractmethod
-    def expand(self, data: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-        """The tokens one processed image (its processor outputs, batch dimension 1)
-        takes in the prompt in place of its placeholder, and which of them take encoder
-        rows (bool ``(len(tokens),)``; None: all). The model's encoder must give exactly
-        that many rows for it (`ember.models.vision.BaseVisionLanguageModel.encode_images`)."""
+    def expand(self, data: dict[str, torch.Tensor]) -> str:
+        """The text one processed image (its processor outputs, batch dimension 1)
+        stands as in the prompt, in place of its placeholder: the run of image tokens
+        and any markers the family puts around and inside it, as the family's own
+        Hugging Face processor writes it. Ember tokenizes it; the positions holding
+        ``image_token_id`` take the encoder's rows, in order, and the model's encoder
+        must give exactly that many for the image
+        (`ember.models.vision_language.SupportsImages.encode_images`)."""

@@ -60,3 +60,53 @@ def make_tiny_llava(out_dir: Path, seed: int = 0, image_size: int = 28, patch_si
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
                           crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
     return model
+
+
+SMOLVLM_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+
+def make_tiny_smolvlm(out_dir: Path, seed: int = 0, tile: int = 32, patch_size: int = 8, scale_factor: int = 2,
+                      longest_edge: int = 64, arch: str = "smolvlm", **text_overrides):
+    """SmolVLM's shape (Idefics3's with ``arch="idefics3"``): a SigLIP tower over square tiles
+    of ``tile`` pixels, pixel shuffle by ``scale_factor`` and a linear connector, a Llama
+    decoder. Images are resized to at most ``longest_edge`` and split into a grid of tiles
+    plus a global tile; each tile is ``(tile / patch_size / scale_factor) ** 2`` tokens (4
+    by default). Returns the transformers model (fp32, eval)."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    tokenizer = _tokenizer_with(*SMOLVLM_TOKENS)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.3,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    text.update(text_overrides)
+    vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=tile, patch_size=patch_size, initializer_range=0.3)
+    names = {"smolvlm": ("SmolVLMConfig", "SmolVLMVisionConfig", "SmolVLMForConditionalGeneration",
+                         "SmolVLMImageProcessorPil", "smolvlm"),
+             "idefics3": ("Idefics3Config", "Idefics3VisionConfig", "Idefics3ForConditionalGeneration",
+                          "Idefics3ImageProcessorPil", "idefics3")}
+    config_name, vision_name, arch_name, processor_name, module = names[arch]
+    config = getattr(transformers, config_name)(
+        vision_config=getattr(transformers, vision_name)(**vision).to_dict(),
+        text_config=transformers.LlamaConfig(**text).to_dict(),
+        image_token_id=image_token_id, scale_factor=scale_factor,
+    )
+    config.architectures = [arch_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("vision_model" in name or "connector" in name) and param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    import importlib
+
+    processors = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
+    getattr(processors, processor_name)(size={"longest_edge": longest_edge},
+                                        max_image_size={"longest_edge": tile}).save_pretrained(out_dir)
+    return model

@@ -1,9 +1,11 @@
-"""LLaVA-1.5 (CLIP tower + projector + Llama) against transformers, fp32, on a tiny
-random model with its real image processor: greedy tokens equal and logprobs within
-1e-4 over image+text prompts, in continuous batches that mix requests with and without
-images and several images per request, with prefix caching, chunked prefill in chunks
-smaller than one image, and preemption; the encoder cache runs each distinct image
-once; prefix caching never lets two different images share a block."""
+"""Vision-language models against transformers, fp32, on tiny random models with their
+families' real image processors: LLaVA-1.5 (CLIP tower + projector + Llama), SmolVLM and
+Idefics3 (SigLIP over tiles, pixel shuffle, connector, Llama; an image is a grid of
+tiles with row/column markers). Greedy tokens equal and logprobs within 1e-4 over
+image+text prompts, in continuous batches that mix requests with and without images and
+several images per request, with prefix caching, chunked prefill in chunks smaller than
+one image, and preemption; the encoder cache runs each distinct image once; prefix
+caching never lets two different images share a block."""
 
 import numpy as np
 import pytest
@@ -12,10 +14,23 @@ from PIL import Image
 
 from ember import LLM, SamplingParams
 from ember.multimodal.limits import MediaError
-from ember.testing.tiny_vlms import make_tiny_llava
+from ember.testing.tiny_vlms import make_tiny_llava, make_tiny_smolvlm
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 10
+
+
+FAMILIES = {
+    "llava": lambda path: make_tiny_llava(path, seed=3),
+    "smolvlm": lambda path: make_tiny_smolvlm(path, seed=4),
+    "idefics3": lambda path: make_tiny_smolvlm(path, seed=5, arch="idefics3"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def vlm(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return path, FAMILIES[request.param](path)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +47,8 @@ def image(seed: int, size=(40, 52)) -> Image.Image:
 def hf_greedy(hf_model, image_processor, ids: list[int], images: list) -> tuple[list[int], list[float]]:
     kwargs = {}
     if images:
-        kwargs["pixel_values"] = image_processor(images=images, return_tensors="pt")["pixel_values"]
+        nested = "Idefics3" in type(image_processor).__name__ or "SmolVLM" in type(image_processor).__name__
+        kwargs = dict(image_processor(images=[images] if nested else images, return_tensors="pt"))
     hf_model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = hf_model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -61,10 +77,10 @@ def run_batch(llm: LLM, prompts=PROMPTS):
 @pytest.mark.parametrize("engine_options", [
     dict(),  # defaults: prefix caching and chunked prefill on
     dict(max_num_batched_tokens=8, block_size=4),  # chunks of 8 tokens: every 16-token image spans chunks
-    dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16),  # a pool too small: preemptions
+    dict(num_kv_blocks=32, block_size=4, max_num_batched_tokens=16),  # a pool too small: preemptions
 ], ids=["default", "chunks-smaller-than-an-image", "preemption"])
-def test_llava_matches_transformers_in_mixed_batches(llava, engine_options):
-    path, hf_model = llava
+def test_matches_transformers_in_mixed_batches(vlm, engine_options):
+    path, hf_model = vlm
     llm = LLM(model=str(path), dtype="float32", **engine_options)
     outs = run_batch(llm)
     image_processor = llm.engine.multimodal_processor.image_processor
@@ -125,3 +141,66 @@ def test_bad_image_requests_are_clear_errors(llava, tiny_llama_dir):
     text_only = LLM(model=str(tiny_llama_dir), dtype="float32")
     with pytest.raises(ValueError, match="takes no images"):
         text_only.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}}, params)
+
+
+def test_chat_takes_openai_image_parts_and_pil_images(llava):
+    import base64
+    import io
+
+    path, _ = llava
+    llm = LLM(model=str(path), dtype="float32")
+    buffer = io.BytesIO()
+    image(7).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        {"type": "image", "image": image(8)}, {"type": "text", "text": "please"}]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.chat(messages, params)[0]
+    assert out.prompt == "<|user|>Compare\n<image>\n<image>\nplease\n<|assistant|>"
+    expected = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode(out.prompt, add_special_tokens=False),
+                             "multi_modal_data": {"image": [image(7), image(8)]}}, params)[0]
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert out.prompt_token_ids == expected.prompt_token_ids
+    with pytest.raises(MediaError, match=r"messages\[0\]\.content\[1\].*`detail` must be one of"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "x"},
+                                               {"type": "image_url", "image_url": {"url": url, "detail": "max"}}]}])
+
+
+@pytest.fixture(scope="module")
+def tiled_llms(tmp_path_factory):
+    built = {}
+
+    def get(family: str) -> LLM:
+        if family not in built:
+            path = tmp_path_factory.mktemp(f"tiled-{family}")
+            make_tiny_smolvlm(path, arch=family)
+            built[family] = LLM(model=str(path), dtype="float32")
+        return built[family]
+    return get
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "idefics3"])
+@pytest.mark.parametrize("size", [(40, 52), (1, 1), (300, 20), (20, 300)])
+def test_tiled_prompt_expansion_matches_the_families_processor_text(family, size, tiled_llms):
+    """Each image's run is the text the family's own processor writes (transformers'
+    get_image_prompt_string), tokenized in place of its placeholder."""
+    import importlib
+
+    llm = tiled_llms(family)
+    processing = importlib.import_module(f"transformers.models.{family}.processing_{family}")
+    picture = Image.fromarray(np.random.default_rng(1).integers(0, 256, (*size, 3), dtype=np.uint8))
+    info = llm.engine.multimodal_processor.image_processor(images=[picture], return_row_col_info=True)
+    if family == "smolvlm":  # (SmolVLMProcessor itself needs num2words, for videos)
+        run = processing.get_image_prompt_string(info["rows"][0][0], info["cols"][0][0], 4,
+                                                 "<fake_token_around_image>", "<image>", "<global-img>")
+    else:
+        hf_processor = processing.Idefics3Processor(llm.engine.multimodal_processor.image_processor,
+                                                    llm.get_tokenizer(), image_seq_len=4)
+        run = hf_processor.replace_image_token(info, 0)
+    text = "Before <image> after"
+    ids, items = llm.engine.process_images(llm.engine.tokenize(text), [picture])
+    assert ids == llm.get_tokenizer().encode(text.replace("<image>", run), add_special_tokens=False)
+    (item,) = items
+    assert item.num_embeds == 4 * int(info["pixel_values"].shape[1])  # 4 tokens a tile
+    assert item.embed_mask is not None and item.embed_mask.sum() == item.num_embeds
