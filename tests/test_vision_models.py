@@ -204,3 +204,34 @@ def test_tiled_prompt_expansion_matches_the_families_processor_text(family, size
     (item,) = items
     assert item.num_embeds == 4 * int(info["pixel_values"].shape[1])  # 4 tokens a tile
     assert item.embed_mask is not None and item.embed_mask.sum() == item.num_embeds
+
+
+def test_vision_models_ember_does_not_run_are_refused_by_name(tmp_path):
+    """A vision-language checkpoint of an unsupported family, through either implementation,
+    and a llama.cpp vision projector (mmproj) GGUF: a ValueError naming what and why, before
+    any weight is read."""
+    import gguf
+    import transformers
+
+    from ember.testing.tiny_models import byte_tokenizer
+
+    config = transformers.Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=320),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=7), mm_tokens_per_image=4)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(tmp_path / "gemma3")
+    byte_tokenizer().save_pretrained(tmp_path / "gemma3")
+    for impl in ("auto", "transformers"):
+        with pytest.raises(ValueError, match=r"\['Gemma3ForConditionalGeneration'\] is a vision-language model "
+                                             r"Ember does not run yet \(vision-language architectures: .*Llava"):
+            LLM(model=str(tmp_path / "gemma3"), dtype="float32", model_impl=impl)
+    writer = gguf.GGUFWriter(str(tmp_path / "mmproj.gguf"), "clip")
+    writer.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"is a vision projector \(llama.cpp's mmproj, architecture 'clip'\)"):
+        LLM(model=str(tmp_path / "mmproj.gguf"), dtype="float32")

@@ -13,7 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ember.models.base import BaseCausalLM
 from ember.config import MODEL_IMPLS
 from ember.models.layers import Linear
-from ember.multimodal.config import text_view
+from ember.multimodal.config import multimodal_config, text_view
 from ember.models.transformers_impl import TransformersCausalLM, transformers_class
 from ember.plugin.backend import BaseAttention, BaseBackend
 from ember.plugin.quantizer import BaseQuantizer, resolve_ops
@@ -94,6 +94,11 @@ def get_model_class(
                    f"supported architectures: {supported} (install a plugin that registers it)")
     if model_impl == "ember":
         raise ValueError(unsupported)
+    if multimodal_config(hf_config) is not None:  # the fallback runs decoders over tokens only
+        vlms = ", ".join(n for n in architectures.names() if getattr(architectures.get(n), "supports_images", False))
+        raise ValueError(f"model architecture {names} is a vision-language model Ember does not run yet "
+                         f"(vision-language architectures: {vlms or 'none'}; docs/multimodal.md); the transformers "
+                         "fallback (--model-impl transformers) runs text-only decoders")
     try:
         transformers_class(hf_config)
     except ValueError as exc:

@@ -146,6 +146,13 @@ def convert_gguf_to_hf(
         reader = gguf.GGUFReader(gguf_path)
         arch_name = _read_string(gguf_path, reader, "general.architecture")
     arch = SUPPORTED_ARCHITECTURES.get(arch_name)
+    if arch_name in ("clip", "mmproj"):  # llama.cpp's vision projector files
+        raise UnsupportedArchitectureError(
+            f"GGUF file {str(gguf_path)!r} is a vision projector (llama.cpp's mmproj, architecture {arch_name!r}): "
+            "Ember does not read mmproj files yet, and transformers' GGUF loader maps no vision tower "
+            "(docs/multimodal.md); for images serve the model's Hugging Face checkpoint (safetensors); "
+            "its language model's GGUF alone serves text"
+        )
     if arch is None:
         raise UnsupportedArchitectureError(
             f"GGUF file {str(gguf_path)!r} has architecture {arch_name!r}; "
