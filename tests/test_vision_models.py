@@ -235,3 +235,46 @@ def test_vision_models_ember_does_not_run_are_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"is a vision projector \(llama.cpp's mmproj, architecture 'clip'\)"):
         LLM(model=str(tmp_path / "mmproj.gguf"), dtype="float32")
+
+
+def test_lora_adapter_on_the_language_model_works_with_images(llava, tmp_path):
+    """A peft LoRA adapter trained on the whole LLaVA model, targeting its decoder's q/v
+    projections: Ember's greedy tokens with the adapter and an image equal peft's; an adapter
+    that also targets the vision tower is refused by name."""
+    import peft
+
+    path, _ = llava
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(base, config, adapter_name="vis")
+    tuned.save_pretrained(tmp_path / "vis", selected_adapters=["vis"])
+    adapter_dir = tmp_path / "vis" / "vis" if (tmp_path / "vis" / "vis").is_dir() else tmp_path / "vis"
+    llm = LLM(model=str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = {"prompt": "Look: <image> what is it?", "multi_modal_data": {"image": image(1)}}
+
+    class Request:  # vLLM's LoRARequest shape
+        lora_name, lora_path = "vis", str(adapter_dir)
+
+    with_adapter = llm.generate(prompt, params, lora_request=Request())[0]
+    plain = llm.generate(prompt, params)[0]
+    image_processor = llm.engine.multimodal_processor.image_processor
+    tuned.eval()
+    tokens, _ = hf_greedy(tuned, image_processor, with_adapter.prompt_token_ids, [image(1)])
+    assert with_adapter.outputs[0].token_ids == tokens
+    assert plain.outputs[0].token_ids != tokens, "the adapter changes the answer (else this test proves nothing)"
+    both = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+    peft.get_peft_model(LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32), both,
+                        adapter_name="tower").save_pretrained(tmp_path / "tower", selected_adapters=["tower"])
+    tower_dir = tmp_path / "tower" / "tower" if (tmp_path / "tower" / "tower").is_dir() else tmp_path / "tower"
+
+    class Tower:
+        lora_name, lora_path = "tower", str(tower_dir)
+
+    with pytest.raises(Exception, match=r"vision_tower.*(not|no) ") as refused:
+        llm.generate(prompt, params, lora_request=Tower())
+    assert "Traceback" not in str(refused.value)

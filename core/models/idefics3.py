@@ -59,6 +59,7 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
 
 class Idefics3ForConditionalGeneration(SupportsImages, LlamaForCausalLM):
     supports_parallel = False
+    decoder_prefixes = ("model.", "model.text_model.")
 
     def __init__(self, hf_config, attention, compute_dtype, dtype=None, device=None, parallel=None) -> None:
         cfg = multimodal_config(hf_config)
@@ -96,9 +97,6 @@ class Idefics3ForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def linear_parts(self):
-        raise NotImplementedError(f"{type(self).__name__} does not support quantized weights yet")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_name(name), tensor) for name, tensor in weights)

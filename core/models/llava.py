@@ -50,6 +50,7 @@ def _feature_layer(cfg) -> int:
 
 class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
     supports_parallel = False
+    decoder_prefixes = ("model.", "model.language_model.", "language_model.model.")
 
     def __init__(self, hf_config, attention, compute_dtype, dtype=None, device=None, parallel=None) -> None:
         cfg = multimodal_config(hf_config)
@@ -95,9 +96,6 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def linear_parts(self):
-        raise NotImplementedError("LlavaForConditionalGeneration does not support quantized weights yet")
 
     # -- weights: transformers' names, legacy (language_model.model.*) and current (model.language_model.*)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

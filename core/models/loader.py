@@ -137,6 +137,9 @@ def load_model(
     ops = resolve_ops(quantizer, backend, compute_dtype, dequantize) if quantizer is not None else {}
     model = cls(hf_config, attention, compute_dtype, dtype=weight_dtype, device=backend.device)
     weights = iter_safetensors(Path(model_dir))
+    if quantizer is not None and getattr(model, "supports_images", False):
+        raise ValueError(f"quantized weights for vision-language models ({cls.__name__}) are not supported yet "
+                         f"(quantizer {quantizer.name!r}); load the float checkpoint")
     if quantizer is not None:
         try:
             parts = model.linear_parts()

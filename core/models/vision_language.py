@@ -29,6 +29,19 @@ class SupportsImages:
     """Mixin of the vision-language contract (see the module docstring)."""
 
     supports_images = True
+    # how checkpoints and adapters (peft) name the decoder's layers ("model.language_model.layers.0...")
+    decoder_prefixes: tuple[str, ...] = ("model.",)
+
+    def linear_parts(self):
+        """The decoder's linears under each of the family's names for them (LoRA adapters
+        trained on the whole model name them so), and the head; the vision tower's and
+        projector's are not offered (an adapter that targets them is refused by name)."""
+        parts = super().linear_parts()
+        out = {"lm_head": parts["lm_head"]} if "lm_head" in parts else {}
+        for name, value in parts.items():
+            if name.startswith("model.layers."):
+                out.update((prefix + name[len("model."):], value) for prefix in self.decoder_prefixes)
+        return out
 
     @classmethod
     @abstractmethod
