@@ -62,12 +62,16 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         priority: int | Sequence[int] | None = None,
         lora_request=None,
+        *,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. A single ``SamplingParams`` applies to all.
 
         A prompt may be vLLM's dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
         with ``"multi_modal_data": {"image": image or [images]}`` (PIL images or URLs),
-        one image placeholder per image in the prompt (docs/multimodal.md).
+        one image placeholder per image in the prompt (docs/multimodal.md); a dict's text
+        is tokenized with the tokenizer's special tokens unless ``add_special_tokens`` is
+        False (plain string prompts always are).
 
         ``priority`` (one for all, or one per prompt): lower is scheduled first and
         preempted last when the KV cache runs short; equal ones are first come, first served.
@@ -95,12 +99,13 @@ class LLM:
             ids = list(prompt_token_ids[i]) if prompt_token_ids is not None else None
             mm_items = ()
             if isinstance(prompt, dict):
-                prompt, ids, mm_items = self._multimodal_prompt(prompt, f"prompts[{i}]")
+                prompt, ids, mm_items = self._multimodal_prompt(prompt, f"prompts[{i}]", add_special_tokens)
             request_ids.append(self.engine.add_request(prompt, params[i], prompt_token_ids=ids, priority=priorities[i],
                                                        adapter=adapters[i], mm_items=mm_items))
         return self._run(request_ids)  # best_of applied by the engine (the output processor)
 
-    def _multimodal_prompt(self, prompt: dict, where: str) -> tuple[str | None, list[int], tuple]:
+    def _multimodal_prompt(self, prompt: dict, where: str, add_special_tokens: bool = True
+                           ) -> tuple[str | None, list[int], tuple]:
         """vLLM's prompt dict to (text, expanded ids, image items)."""
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
         if unknown:
@@ -108,7 +113,7 @@ class LLM:
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if (text is None) == (ids is None):
             raise ValueError(f"{where} needs exactly one of 'prompt' and 'prompt_token_ids'")
-        ids = self.engine.tokenize(text) if ids is None else list(ids)
+        ids = None if ids is None else list(ids)
         data = prompt.get("multi_modal_data") or {}
         if set(data) - {"image"}:
             raise ValueError(f"{where}.multi_modal_data: only 'image' is supported, got {sorted(data)}")
@@ -116,8 +121,11 @@ class LLM:
         refs = [ImageRef(image, f"{where}.multi_modal_data.image[{k}]")
                 for k, image in enumerate(images if isinstance(images, (list, tuple)) else [images])]
         if not refs:
+            if ids is None:
+                ids = self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
             return text, ids, ()
-        ids, items = self.engine.process_images(ids, self._load_images(refs))
+        ids, items = self.engine.process_images(ids, self._load_images(refs), text=text,
+                                                add_special_tokens=add_special_tokens)
         return text, ids, items
 
     def _chat_images(self, conversation: list[dict], where: str) -> tuple[list[dict], list]:
@@ -205,13 +213,13 @@ class LLM:
             conv, images = self._chat_images(conv, f"messages[{k}]" if conv is not messages else "messages")
             conv, template_tools = chat_messages(conv, setup, registry, template)
             prompt = apply_chat_template(tokenizer, conv, template_tools)
-            encoded.append((prompt, {"prompt_token_ids": tokenizer.encode(prompt, add_special_tokens=False),
-                                     "multi_modal_data": {"image": images}}))
+            encoded.append((prompt, {"prompt": prompt, "multi_modal_data": {"image": images}}))
         prompts = [prompt for prompt, _ in encoded]
         params = self._params_list(sampling_params, len(prompts))
         if setup.forced is not None:
             params = [replace(p, constraint=setup.forced) for p in params]
-        outs = self.generate([inputs for _, inputs in encoded], params, priority=priority)
+        # the template holds any BOS: tokenizing must not add another
+        outs = self.generate([inputs for _, inputs in encoded], params, priority=priority, add_special_tokens=False)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # the templated text (the engine saw its token ids)
         if setup.parser is not None:

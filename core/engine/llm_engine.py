@@ -98,14 +98,15 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         return request_id
 
-    def process_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], tuple]:
-        """The prompt's ids with each image placeholder expanded, and the images'
-        items (`ember.multimodal.processor`); ValueError for a model that takes none."""
+    def process_images(self, prompt_token_ids: list[int] | None, images: list, **text) -> tuple[list[int], tuple]:
+        """The prompt's ids with each image placeholder expanded, and the images' items
+        (`MultiModalProcessor.process`; ``text=``, ``add_special_tokens=``: expanded in
+        the text); ValueError for a model that takes none."""
         processor = self.multimodal_processor
         if processor is None:
             raise ValueError(f"model {self.model_info.model or 'the default model'!r} takes no images "
                              "(it is a text-only model)")
-        return processor.process(prompt_token_ids, images)
+        return processor.process(prompt_token_ids, images, **text)
 
     @functools.cached_property
     def multimodal_processor(self):

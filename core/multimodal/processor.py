@@ -72,36 +72,55 @@ class MultiModalProcessor:
         out = self.image_processor(images=[image], return_tensors="pt", **self.spec.processor_kwargs)
         return {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in out.items()}
 
-    def expand(self, data: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-        """An image's run of tokens (`MultiModalSpec.expand`, tokenized) and which of
-        them take encoder rows (None: all)."""
-        tokens = self.tokenizer.encode(self.spec.expand(data), add_special_tokens=False)
-        mask = torch.tensor(tokens) == self.spec.image_token_id
-        return tokens, None if bool(mask.all()) else mask
-
-    def process(self, prompt_token_ids: list[int], images: list, where: str | None = None
+    def process(self, prompt_token_ids: list[int] | None, images: list, where: str | None = None, *,
+                text: str | None = None, add_special_tokens: bool = False
                 ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """The prompt with each image's placeholder expanded, and one item per image (in
-        prompt order). MediaError when the placeholders and the images disagree in
-        number, or past the per-prompt limit."""
+        prompt order). Given ``text``, the placeholders (``spec.prompt_text``) are expanded
+        in the text and the whole is tokenized once, as the family's own processor does
+        (a run's edge may merge with the text beside it: Gemma 3's newlines); else the
+        runs are spliced into ``prompt_token_ids`` at the placeholder token. MediaError when
+        the placeholders and the images disagree in number, or past the per-prompt limit."""
         self.limits.check_count("image", len(images), where)
-        placeholder = self.spec.image_token_id
-        slots = [i for i, t in enumerate(prompt_token_ids) if t == placeholder]
-        if len(slots) != len(images):
-            raise MediaError(
-                f"the prompt has {len(slots)} image placeholder(s) (token id {placeholder}, "
-                f"{self.spec.prompt_text!r}) but {len(images)} image(s) were given", where,
-            )
-        out: list[int] = []
-        items: list[MultiModalItem] = []
-        last = 0
-        for slot, image in zip(slots, images):
-            data = self.process_image(image)
-            tokens, mask = self.expand(data)
-            out.extend(prompt_token_ids[last:slot])
-            items.append(MultiModalItem("image", content_hash(self._model_key, "image", data), len(out), len(tokens),
-                                        data, mask))
-            out.extend(tokens)
-            last = slot + 1
-        out.extend(prompt_token_ids[last:])
-        return out, tuple(items)
+        spec = self.spec
+        found = text.count(spec.prompt_text) if text is not None else prompt_token_ids.count(spec.image_token_id)
+        if found != len(images):
+            raise MediaError(f"the prompt has {found} image placeholder(s) ({spec.prompt_text!r}, token id "
+                             f"{spec.image_token_id}) but {len(images)} image(s) were given", where)
+        datas = [self.process_image(image) for image in images]
+        runs = [spec.expand(data) for data in datas]
+        run_ids = [self.tokenizer.encode(run, add_special_tokens=False) for run in runs]
+        if text is not None:
+            pieces = text.split(spec.prompt_text)
+            ids = self.tokenizer.encode(pieces[0] + "".join(r + p for r, p in zip(runs, pieces[1:])),
+                                        add_special_tokens=add_special_tokens)
+        else:
+            ids, last = [], 0
+            for slot, tokens in zip([i for i, t in enumerate(prompt_token_ids) if t == spec.image_token_id], run_ids):
+                ids += prompt_token_ids[last:slot] + tokens
+                last = slot + 1
+            ids += prompt_token_ids[last:]
+        return ids, self._locate(ids, datas, [tokens.count(self.embed_token_id) for tokens in run_ids], where)
+
+    @property
+    def embed_token_id(self) -> int:
+        return self.spec.image_token_id if self.spec.embed_token_id is None else self.spec.embed_token_id
+
+    def _locate(self, ids: list[int], datas: list[dict], counts: list[int], where: str | None
+                ) -> tuple[MultiModalItem, ...]:
+        """Each image's item: its rows are the next ``counts[k]`` positions holding the
+        embedding token; its run spans its first to its last (markers between them keep
+        their own embeddings: the item's mask)."""
+        embed = self.embed_token_id
+        positions = [i for i, t in enumerate(ids) if t == embed]
+        if len(positions) != sum(counts):
+            raise MediaError(f"the prompt holds {len(positions)} image-token positions (token id {embed}) where its "
+                             f"{len(counts)} image(s) take {sum(counts)}: image tokens cannot be sent as text", where)
+        items, first = [], 0
+        for data, count in zip(datas, counts):
+            start, end = positions[first], positions[first + count - 1] + 1
+            mask = torch.tensor(ids[start:end]) == embed
+            items.append(MultiModalItem("image", content_hash(self._model_key, "image", data), start, end - start,
+                                        data, None if bool(mask.all()) else mask))
+            first += count
+        return tuple(items)

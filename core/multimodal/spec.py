@@ -18,13 +18,18 @@ class MultiModalSpec(ABC):
 
     ``image_token_id``: the placeholder token an image stands as in a prompt before
     expansion (one per image, where the image goes). ``prompt_text``: what a chat's
-    image part becomes in the templated text (it tokenizes to the placeholder, with any
-    markers the family puts around it). ``processor_kwargs``: keyword arguments for the
-    image processor's call."""
+    image part becomes in the templated text (it tokenizes to the placeholder).
+    ``processor_kwargs``: keyword arguments for the image processor's call."""
 
     image_token_id: int
     prompt_text: str
     processor_kwargs: dict = {}
+    #: the token whose positions take encoder rows where it is not the placeholder itself
+    #: (Gemma 3: ``<start_of_image>`` stands for the image, ``<image_soft_token>`` take rows)
+    embed_token_id: int | None = None
+    #: whether an image's tokens attend to each other both ways (Gemma 3): the scheduler
+    #: never splits such a run across steps, and the attention must support it
+    bidirectional: bool = False
 
     @abstractmethod
     def expand(self, data: dict[str, torch.Tensor]) -> str:
