@@ -3,7 +3,9 @@ or a model loaded in this process (the same server, started on a free local port
 
 Both ways go through the HTTP chat route, so what the terminal shows is what any client
 gets: the answer streamed as it is generated, then a line of figures (tokens, tokens/s,
-time to the first token). Lines starting with ``/`` are commands (``/help`` lists them);
+time to the first token). Lines starting with ``/`` are commands (``/help`` lists them;
+``/image PATH`` attaches an image file to the next message, sent inside the request as a
+``data:`` URL ``image_url`` part, for a model that takes images);
 Ctrl-C stops a generation (the server drops the request) and keeps the program;
 Ctrl-D or ``/exit`` leaves. Errors the server answers (a 4xx with its message) are shown
 and the chat goes on. See docs/cli.md.
@@ -12,8 +14,10 @@ and the chat goes on. See docs/cli.md.
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -25,11 +29,19 @@ HELP = """commands:
   /system [TEXT]        show the system prompt, or set it (/system - clears it)
   /params [KEY=VALUE]   show the request parameters, or set them: temperature=0.7 max_tokens=200
                         seed=1 stop=["\\n"] (values are JSON when they parse, else text; KEY= unsets)
+  /image [PATH]         attach an image file (PNG, JPEG, GIF, WebP, BMP, TIFF) to the next message
+                        (repeat for several); /image lists the attached ones, /image - drops them
   /reset                forget the conversation (the system prompt and parameters stay)
   /history              show the conversation so far
   /help                 this list
   /exit, /quit          leave (as Ctrl-D); Ctrl-C stops a generation"""
 PROMPT = ">>> "
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # the server's default --max-image-bytes
+# the image formats the server reads (ember.multimodal.image), by their files' first bytes
+IMAGE_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"), (b"BM", "image/bmp"), (b"II*\x00", "image/tiff"), (b"MM\x00*", "image/tiff"),
+)
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +61,54 @@ class ChatError(Exception):
     """A refusal to show the user (the server's message), after which the chat goes on."""
 
 
+def _media_type(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((kind for signature, kind in IMAGE_SIGNATURES if data.startswith(signature)), None)
+
+
+def image_data_url(path: str) -> str:
+    """The image file at ``path`` as a ``data:`` URL; ChatError (one line) when it is
+    missing, unreadable, too big or not an image."""
+    shown = repr(path)
+    try:
+        size = os.path.getsize(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError
+        if size > MAX_IMAGE_BYTES:
+            raise ChatError(f"cannot attach {shown}: {size / 2**20:.1f} MiB, more than the "
+                            f"{MAX_IMAGE_BYTES // 2**20} MiB an image may be")
+        with open(path, "rb") as file:
+            data = file.read(MAX_IMAGE_BYTES + 1)
+    except FileNotFoundError:
+        raise ChatError(f"cannot attach {shown}: no such file") from None
+    except IsADirectoryError:
+        raise ChatError(f"cannot attach {shown}: it is a directory") from None
+    except PermissionError:
+        raise ChatError(f"cannot attach {shown}: permission denied") from None
+    except OSError as exc:
+        raise ChatError(f"cannot attach {shown}: {exc.strerror or exc}") from None
+    if not data:
+        raise ChatError(f"cannot attach {shown}: the file is empty")
+    media_type = _media_type(data)
+    if media_type is None:
+        raise ChatError(f"cannot attach {shown}: not an image (PNG, JPEG, GIF, WebP, BMP or TIFF)")
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    return f"{num_bytes / 1024:.1f} KiB" if num_bytes < 2**20 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _unquote(text: str) -> str:
+    """A path as typed: surrounding quotes dropped (a pasted or dragged path has them), ~ expanded."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    return os.path.expanduser(text)
+
+
 class Chat:
     """One conversation with a server's /v1/chat/completions: its history, system
     prompt and request parameters; `ask` streams one answer to ``out``."""
@@ -61,14 +121,25 @@ class Chat:
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(600, connect=10))
         self.model, self.system, self.out = model, system, out
         self.params: dict[str, Any] = dict(params or {})
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.images: list[tuple[str, str]] = []  # attached to the next message: (path, data: URL)
+        self.image_names: dict[str, str] = {}  # data: URL -> the path it was read from, for /history
 
     def close(self) -> None:
         self.http.close()
 
+    def user_message(self, text: str) -> dict[str, Any]:
+        """``text`` as a user message: with images attached, OpenAI's content parts (the
+        text, then one ``image_url`` part per image in the order attached)."""
+        if not self.images:
+            return {"role": "user", "content": text}
+        parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        parts += [{"type": "image_url", "image_url": {"url": url}} for _, url in self.images]
+        return {"role": "user", "content": parts}
+
     def request(self, text: str) -> dict[str, Any]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return {**self.params, "model": self.model, "messages": system + self.messages + [{"role": "user", "content": text}],
+        return {**self.params, "model": self.model, "messages": system + self.messages + [self.user_message(text)],
                 "stream": True, "stream_options": {"include_usage": True}}
 
     def ask(self, text: str) -> str:
@@ -82,7 +153,12 @@ class Chat:
         try:
             with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code >= 400:
-                    raise ChatError(_error_message(response.status_code, response.read()))
+                    message = _error_message(response.status_code, response.read())
+                    if self.images:
+                        count = len(self.images)
+                        message += (f"\n(the {count} attached image{'s' if count > 1 else ''} "
+                                    f"stay{'' if count > 1 else 's'} attached; /image - drops them)")
+                    raise ChatError(message)
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -106,7 +182,8 @@ class Chat:
                 raise ChatError(f"the server could not be reached: {exc}") from None
             raise
         answer = "".join(pieces)
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        self.messages += [body["messages"][-1], {"role": "assistant", "content": answer}]
+        self.images = []  # sent: they are in the history now, and go with every later turn
         self.out.write("\n")
         self.out.write(_figures(len(pieces), usage, start, first, stopped) + "\n")
         self.out.flush()
@@ -130,13 +207,49 @@ class Chat:
         elif name == "/params":
             self.set_params(rest)
             self.out.write(f"parameters: {json.dumps(self.params)}\n")
+        elif name == "/image":
+            self.image_command(rest)
         elif name == "/history":
             for message in ([{"role": "system", "content": self.system}] if self.system else []) + self.messages:
-                self.out.write(f"{message['role']}: {message['content']}\n")
+                self.out.write(f"{message['role']}: {self._shown(message['content'])}\n")
         else:
             self.out.write(f"unknown command {name!r}; /help lists them\n")
         self.out.flush()
         return True
+
+    def image_command(self, rest: str) -> None:
+        """``/image PATH`` attaches, ``/image -`` drops them all, ``/image`` lists them."""
+        if rest == "-":
+            count = len(self.images)
+            self.images = []
+            self.out.write(f"dropped {count} attached image{'' if count == 1 else 's'}\n")
+        elif rest:
+            path = _unquote(rest)
+            url = image_data_url(path)
+            self.images.append((path, url))
+            self.image_names[url] = path
+            encoded = url.partition(",")[2]
+            size = len(encoded) * 3 // 4 - (len(encoded) - len(encoded.rstrip("=")))
+            self.out.write(f"attached {path} ({_size(size)}, {url[5:url.index(';')]}); {len(self.images)} image"
+                           f"{'' if len(self.images) == 1 else 's'} for the next message\n")
+        elif self.images:
+            self.out.write("attached to the next message:\n")
+            for i, (path, _) in enumerate(self.images, 1):
+                self.out.write(f"  {i}. {path}\n")
+        else:
+            self.out.write("no image attached (/image PATH attaches one)\n")
+
+    def _shown(self, content: Any) -> str:
+        """A message's content for /history: its text, each image as [image PATH]."""
+        if isinstance(content, str) or content is None:
+            return content or ""
+        pieces = []
+        for part in content:
+            if part.get("type") == "image_url":
+                pieces.append(f"[image {self.image_names.get(part['image_url']['url'], '')}]".replace(" ]", "]"))
+            else:
+                pieces.append(part.get("text", ""))
+        return " ".join(pieces)
 
     def set_params(self, text: str) -> None:
         for item in text.split():
@@ -188,14 +301,15 @@ def repl(chat: Chat, read: Callable[[str], str] = input) -> int:
             continue
         if not line.strip():
             continue
+        is_command = line.startswith("/")
         try:
-            if line.startswith("/"):
+            if is_command:
                 if not chat.command(line.strip()):
                     return 0
             else:
                 chat.ask(line)
-        except ChatError as exc:
-            chat.out.write(f"\n{exc}\n")
+        except ChatError as exc:  # after an answer's first words, on a line of its own
+            chat.out.write(f"{exc}\n" if is_command else f"\n{exc}\n")
             chat.out.flush()
 
 

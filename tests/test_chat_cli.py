@@ -1,11 +1,14 @@
 """`ember chat`: the conversation object against a real server (history, /system,
-/params, /reset, refusals shown and the chat going on), then the program itself in a
-real terminal under tmux (send-keys, capture-pane): a streamed answer with its figures,
-the commands, Ctrl-C stopping a long answer but not the program, Ctrl-D / /exit; with
---url and with the model loaded in its own process."""
+/params, /reset, refusals shown and the chat going on; /image against a tiny LLaVA: the
+answers equal the HTTP API's to the same messages, bad files are a message, a text-only
+model's refusal), then the program itself in a real terminal under tmux (send-keys,
+capture-pane): a streamed answer with its figures, the commands, Ctrl-C stopping a long
+answer but not the program, Ctrl-D / /exit; with --url and with the model loaded in its
+own process, and an image attached."""
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import shutil
@@ -19,6 +22,7 @@ import pytest
 from server_utils import running_server, wait_idle
 from tiny_models import with_context
 
+from ember.api import chat_cli
 from ember.api.chat_cli import Chat, ChatError, repl
 
 CONTEXT = 4096
@@ -75,6 +79,117 @@ def test_a_refusal_is_shown_and_the_chat_goes_on(server):
     bad = Chat("http://127.0.0.1:9", "tiny", out=io.StringIO())
     with pytest.raises(ChatError, match="could not be reached"):
         bad.ask("hi")
+
+
+# -- images ----------------------------------------------------------------------------------------
+LLAVA = "tiny-llava"
+QUESTION = "What is this?"
+
+
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory):
+    from ember.testing.tiny_vlms import make_tiny_llava
+
+    path = tmp_path_factory.mktemp("tiny-llava-chat")
+    make_tiny_llava(path, seed=3)
+    with running_server(path, max_total_tokens=256, served_model_name=LLAVA) as running:
+        yield running
+
+
+def random_png(seed: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 52, 3), dtype=np.uint8))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(data).decode()}"}}
+
+
+def api_answer(url: str, messages: list[dict]) -> str:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": LLAVA, "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_images_go_with_the_next_message_and_stay_in_the_history(llava_server, tmp_path):
+    cat, owl = random_png(1), random_png(3)
+    (tmp_path / "cat.png").write_bytes(cat)
+    (tmp_path / "my owl.png").write_bytes(owl)
+    out = io.StringIO()
+    chat = Chat(llava_server.url, LLAVA, params={"max_tokens": 8, "temperature": 0}, out=out)
+    chat.command(f"/image {tmp_path / 'cat.png'}")
+    chat.command(f"/image '{tmp_path / 'my owl.png'}'")  # quoted, as a terminal pastes a dragged file
+    assert f"attached {tmp_path / 'my owl.png'} ({len(owl) / 1024:.1f} KiB, image/png); 2 images for the next message" \
+        in out.getvalue()
+    chat.command("/image")
+    assert f"attached to the next message:\n  1. {tmp_path / 'cat.png'}\n  2. {tmp_path / 'my owl.png'}\n" \
+        in out.getvalue()
+    first = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image_part(cat), image_part(owl)]}]
+    assert chat.request(QUESTION)["messages"] == first
+    answer = chat.ask(QUESTION)
+    assert answer == api_answer(llava_server.url, first)
+    assert answer != api_answer(llava_server.url, [{"role": "user", "content": QUESTION}])  # the images counted
+    assert chat.images == []  # sent with that message only...
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    assert chat.ask("and then?") == api_answer(llava_server.url, second)  # ...and in the history after it
+    assert chat.messages[:3] == second
+    chat.command("/history")
+    assert f"user: {QUESTION} [image {tmp_path / 'cat.png'}] [image {tmp_path / 'my owl.png'}]\n" in out.getvalue()
+    chat.command("/image " + str(tmp_path / "cat.png"))
+    chat.command("/image -")
+    assert "dropped 1 attached image\n" in out.getvalue() and chat.images == []
+    chat.close()
+
+
+def test_a_bad_image_path_is_a_message(llava_server, tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("not a picture")
+    (tmp_path / "empty.png").write_bytes(b"")
+    with open(tmp_path / "huge.png", "wb") as file:
+        file.truncate(21 * 1024 * 1024)
+    (tmp_path / "cat.png").write_bytes(random_png(1))
+    out = io.StringIO()
+    chat = Chat(llava_server.url, LLAVA, out=out)
+    lines = iter([f"/image {tmp_path / 'nope.png'}", f"/image {tmp_path / 'notes.txt'}", f"/image {tmp_path}",
+                  f"/image {tmp_path / 'empty.png'}", f"/image {tmp_path / 'huge.png'}", "/image", "/help", "/exit"])
+    assert repl(chat, read=lambda prompt: next(lines)) == 0
+    shown = out.getvalue().splitlines()
+    assert shown[:6] == [
+        f"cannot attach {str(tmp_path / 'nope.png')!r}: no such file",
+        f"cannot attach {str(tmp_path / 'notes.txt')!r}: not an image (PNG, JPEG, GIF, WebP, BMP or TIFF)",
+        f"cannot attach {str(tmp_path)!r}: it is a directory",
+        f"cannot attach {str(tmp_path / 'empty.png')!r}: the file is empty",
+        f"cannot attach {str(tmp_path / 'huge.png')!r}: 21.0 MiB, more than the 20 MiB an image may be",
+        "no image attached (/image PATH attaches one)",
+    ]
+    assert any(line.startswith("  /image [PATH]") for line in shown[6:])  # /help lists it
+    assert chat.images == []
+
+    def unreadable(*args, **kwargs):  # as root every file is readable: the error as a user would get it
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(chat_cli, "open", unreadable, raising=False)
+    with pytest.raises(ChatError, match=r"^cannot attach '.*cat.png': permission denied$"):
+        chat.command(f"/image {tmp_path / 'cat.png'}")
+    chat.close()
+
+
+def test_a_text_only_model_refuses_the_images(server, tmp_path):
+    (tmp_path / "cat.png").write_bytes(random_png(1))
+    out = io.StringIO()
+    chat = Chat(server.url, "tiny", params={"max_tokens": 3}, out=out)
+    lines = iter([f"/image {tmp_path / 'cat.png'}", "hello", "/image -", "hello", "/exit"])
+    assert repl(chat, read=lambda prompt: next(lines)) == 0
+    text = out.getvalue()
+    assert "the server refused (400): `messages[0].content[1]`: model 'tiny' takes no images" in text, text
+    assert "(the 1 attached image stays attached; /image - drops them)" in text
+    assert "[3 tokens" in text
+    assert chat.messages[0] == {"role": "user", "content": "hello"} and len(chat.messages) == 2
 
 
 # -- the program in a terminal -------------------------------------------------------------------
@@ -160,3 +275,19 @@ def test_in_a_terminal_with_the_model_loaded_here(long_model, terminal):
     term.wait_for(lambda s: "[5 tokens, first token" in s)
     term.type("/exit")
     term.wait_for(lambda s: "EXIT=0" in s, timeout=60)
+
+
+def test_in_a_terminal_with_an_image(llava_server, terminal, tmp_path):
+    (tmp_path / "cat.png").write_bytes(random_png(1))
+    term = terminal([*EMBER, "--url", llava_server.url, "--max-tokens", "8"])
+    term.wait_for(lambda s: f"ember chat: {LLAVA} at " in s and s.rstrip().endswith(">>>"))
+    term.type(f"/image {tmp_path / 'nope.png'}")
+    term.wait_for(lambda s: "cannot attach" in s and "nope.png': no such file" in s)
+    term.type(f"/image {tmp_path / 'cat.png'}")
+    term.wait_for(lambda s: "1 image for the next message" in s)
+    term.type(QUESTION)
+    term.wait_for(lambda s: "8 tokens, first token" in s)  # the random answer's control bytes may eat the "["
+    term.type("/history")
+    term.wait_for(lambda s: f"user: {QUESTION} [image {tmp_path / 'cat.png'}]" in s)
+    term.type("/exit")
+    term.wait_for(lambda s: "EXIT=0" in s)

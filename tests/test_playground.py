@@ -3,15 +3,19 @@ its files over plain HTTP (content types, cache headers, ETags, no API key, pack
 data in the wheel), then the page in a real headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by Selenium): a streamed answer, JSON-schema mode, a tool
 round trip, logprobs on hover, a refused request's error, "copy as curl / Python" run
-for real, the API-key prompt with a LoRA adapter in the model picker, and the page
-under a path prefix (--root-path, and Ember mounted in a parent app). Chromium missing:
+for real, the API-key prompt with a LoRA adapter in the model picker, the page
+under a path prefix (--root-path, and Ember mounted in a parent app), and images (a
+tiny random LLaVA): attached by the file picker, pasted and dropped, sent as image_url
+parts and answered as the HTTP API answers them, and a text-only model's refusal. Chromium missing:
 skipped here, a failure under CI=1. ``EMBER_PLAYGROUND_SCREENSHOT=PATH`` saves the
 docs' screenshot (docs/img/playground.png) from the same setup.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -470,6 +474,283 @@ def test_mounted_under_a_parent_app(tiny_llama_dir, browser):
 
     with running_server(tiny_llama_dir, max_total_tokens=64, wrap=mount) as (url, _):
         run_under_prefix(browser, url + "/apps/ember/", "/apps/ember", url)
+
+
+# -- images in chat messages ----------------------------------------------------------------------
+LLAVA = "tiny-llava"
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory):
+    """A tiny random LLaVA (it takes images; "<image>" is its placeholder)."""
+    from ember.testing.tiny_vlms import make_tiny_llava
+
+    path = tmp_path_factory.mktemp("tiny-llava")
+    make_tiny_llava(path, seed=3)
+    with running_server(path, max_total_tokens=256, served_model_name=LLAVA) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def llava_http(llava_server):
+    with httpx.Client(base_url=llava_server.url, timeout=60) as client:
+        yield client
+
+
+def picture(kind: int, size: tuple[int, int] = (96, 72)) -> bytes:
+    """A small PNG that looks like something (a gradient, a shape): distinct for each kind."""
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    image = Image.new("RGB", size)
+    pixels = image.load()
+    for x in range(width):
+        for y in range(height):
+            pixels[x, y] = ((40 + 70 * kind + 2 * x) % 256, (90 + y * 2) % 256, (200 - 50 * kind) % 256)
+    draw = ImageDraw.Draw(image)
+    box = (width // 4, height // 4, 3 * width // 4, 3 * height // 4)
+    (draw.ellipse if kind % 2 else draw.rectangle)(box, fill=((255 * kind) % 256, 230, 60 * kind % 256))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def write(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def attach_by_picker(driver, path: Path) -> None:
+    """As a user choosing a file in the "Attach images" dialog."""
+    by_css(driver, "#image-input")[0].send_keys(str(path))
+
+
+def dispatch_files(driver, kind: str, files: list[tuple[str, str, bytes | int]], text: str | None = None) -> dict:
+    """A paste (``kind="paste"``) into the message box or a drag and drop onto it, carrying
+    these files ((name, type, bytes, or a size for zeros)) and ``text``, as the browser
+    dispatches them; what the page did with the events."""
+    payload = [(name, media_type, base64.b64encode(data).decode() if isinstance(data, bytes) else data)
+               for name, media_type, data in files]
+    return driver.execute_script("""
+        const [kind, files, text] = arguments;
+        const transfer = new DataTransfer();
+        for (const [name, type, data] of files) {
+          const bytes = typeof data === 'number' ? new Uint8Array(data)
+            : Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+          transfer.items.add(new File([bytes], name, {type}));
+        }
+        if (text !== null) transfer.setData('text/plain', text);
+        const box = document.getElementById('prompt');
+        const init = {bubbles: true, cancelable: true};
+        if (kind === 'paste') {
+          const kept = box.dispatchEvent(new ClipboardEvent('paste', {...init, clipboardData: transfer}));
+          return {defaultPrevented: !kept};
+        }
+        box.dispatchEvent(new DragEvent('dragenter', {...init, dataTransfer: transfer}));
+        const overPrevented = !box.dispatchEvent(new DragEvent('dragover', {...init, dataTransfer: transfer}));
+        const highlighted = box.classList.contains('dropping');
+        const kept = box.dispatchEvent(new DragEvent('drop', {...init, dataTransfer: transfer}));
+        const highlightedAfter = box.classList.contains('dropping');
+        return {overPrevented, highlighted, defaultPrevented: !kept, highlightedAfter};
+    """, kind, payload, text)
+
+
+def attachments(driver, count: int) -> list:
+    """The composer's thumbnails once ``count`` are there, each read (its data: URL shown)."""
+    def ready(d):
+        items = by_css(d, "#attachments .attachment")
+        done = len(items) == count and all(
+            (i.find_element("css selector", "img").get_attribute("src") or "").startswith("data:image/") for i in items)
+        return done and items
+    return wait_for(driver, ready, f"not {count} attached images") if count else []
+
+
+def text_of(driver, element) -> str:
+    """An element's exact text (Selenium's `.text` normalizes the whitespace of random tokens)."""
+    return driver.execute_script("return arguments[0].textContent", element)
+
+
+def api_answer(http, messages: list[dict], max_tokens: int = 8) -> str:
+    r = http.post("/v1/chat/completions", json={"model": LLAVA, "messages": messages, "max_tokens": max_tokens,
+                                                "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def not_shown(driver, element_id: str) -> bool:
+    script = "return getComputedStyle(document.getElementById(arguments[0])).display"
+    return driver.execute_script(script, element_id) == "none"
+
+
+def severe_console(driver) -> list:
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def test_image_from_the_file_picker_is_sent_and_answered_as_by_the_api(llava_server, llava_http, browser, tmp_path):
+    browser.get_log("browser")  # what earlier tests left
+    cat = picture(1)
+    open_page(browser, llava_server.url + "/")
+    assert [o.get_attribute("value") for o in by_css(browser, "#model option")] == [LLAVA]
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8")
+    assert not_shown(browser, "attachments") and not_shown(browser, "schema-box")  # [hidden] wins over display rules
+    attach_by_picker(browser, write(tmp_path, "cat.png", cat))
+    [item] = attachments(browser, 1)
+    thumb = item.find_element("css selector", "img")
+    assert thumb.is_displayed() and thumb.get_attribute("src") == data_url(cat)
+    assert thumb.get_attribute("alt") == "cat.png" and item.find_element("css selector", ".remove").is_displayed()
+    send(browser, QUESTION)
+    turn = last_turn(browser)
+    assert "error" not in turn.get_attribute("class"), turn.text
+    shown = text_of(browser, turn.find_element("css selector", ".content"))
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image_part(cat)]}]
+    sent = browser.execute_script("return state.lastRequest")
+    assert sent["messages"] == messages and sent["temperature"] == 0 and sent["max_tokens"] == 8
+    assert shown == api_answer(llava_http, messages)
+    assert shown != api_answer(llava_http, [{"role": "user", "content": QUESTION}])  # the image counted
+    # the transcript shows what was sent; the composer is empty again
+    sent_thumbs = by_css(browser, ".msg.user img.thumb")
+    assert [t.get_attribute("src") for t in sent_thumbs] == [data_url(cat)] and sent_thumbs[0].is_displayed()
+    assert not by_css(browser, "#attachments .attachment") and not_shown(browser, "attachments")
+    # the next turn sends the image again, as part of the history
+    send(browser, "and then?")
+    wait_for(browser, lambda d: len(by_css(d, ".msg.assistant")) == 2, "no second answer")
+    second = last_turn(browser)
+    messages += [{"role": "assistant", "content": shown}, {"role": "user", "content": "and then?"}]
+    assert browser.execute_script("return state.lastRequest.messages") == messages
+    assert text_of(browser, second.find_element("css selector", ".content")) == api_answer(llava_http, messages)
+    assert not severe_console(browser)  # no script error, no image refused by the page's CSP
+
+
+def test_paste_and_drop_attach_in_order_and_thumbnails_remove(llava_server, llava_http, browser, tmp_path):
+    cat, dog, owl = picture(1), picture(2), picture(3)
+    open_page(browser, llava_server.url + "/")
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8")
+    attach_by_picker(browser, write(tmp_path, "cat.png", cat))
+    attachments(browser, 1)
+    assert dispatch_files(browser, "paste", [("image.png", "image/png", dog)])["defaultPrevented"]
+    attachments(browser, 2)
+    dropped = dispatch_files(browser, "drop", [("owl.png", "image/png", owl)])
+    assert dropped == {"overPrevented": True, "highlighted": True, "defaultPrevented": True, "highlightedAfter": False}
+    items = attachments(browser, 3)
+    assert [i.find_element("css selector", "img").get_attribute("alt") for i in items] == \
+        ["cat.png", "image.png", "owl.png"]  # in the order attached
+    # text pasted or dropped is left to the browser: nothing is attached
+    assert not dispatch_files(browser, "paste", [], text="plain words")["defaultPrevented"]
+    assert not dispatch_files(browser, "drop", [], text="plain words")["defaultPrevented"]
+    items[1].find_element("css selector", ".remove").click()
+    items = attachments(browser, 2)
+    assert [i.find_element("css selector", "img").get_attribute("src") for i in items] == [data_url(cat), data_url(owl)]
+    send(browser, "Compare these.")
+    turn = last_turn(browser)
+    assert "error" not in turn.get_attribute("class"), turn.text
+    parts = [{"type": "text", "text": "Compare these."}, image_part(cat), image_part(owl)]
+    messages = [{"role": "user", "content": parts}]
+    assert browser.execute_script("return state.lastRequest.messages") == messages
+    assert text_of(browser, turn.find_element("css selector", ".content")) == api_answer(llava_http, messages)
+    assert len(by_css(browser, ".msg.user img.thumb")) == 2
+
+
+def test_only_images_within_the_size_limit_are_attached(llava_server, browser, tmp_path):
+    open_page(browser, llava_server.url + "/")
+    error = by_css(browser, "#attach-error")[0]
+    assert not error.is_displayed()
+    attach_by_picker(browser, write(tmp_path, "notes.txt", b"not a picture"))
+    wait_for(browser, lambda d: error.is_displayed(), "a text file was attached silently")
+    assert "notes.txt is not an image (text/plain)" in error.text
+    dispatch_files(browser, "drop", [("huge.png", "image/png", 21 * 1024 * 1024)])
+    assert "huge.png is 21.0 MiB, more than the 20.0 MiB an image may be" in error.text
+    dispatch_files(browser, "paste", [("empty.png", "image/png", b"")])
+    assert "empty.png is empty" in error.text
+    assert not by_css(browser, "#attachments .attachment")
+    assert browser.execute_script("return state.attachments.length") == 0
+    attach_by_picker(browser, write(tmp_path, "cat.png", picture(1)))  # a good one clears the message
+    attachments(browser, 1)
+    assert not error.is_displayed()
+
+
+def test_a_text_only_model_refuses_images(server, browser, tmp_path):
+    open_page(browser, server.url + "/")
+    set_field(browser, "max_tokens", "4")
+    attach_by_picker(browser, write(tmp_path, "cat.png", picture(1)))
+    attachments(browser, 1)
+    send(browser, "hello")
+    error = last_turn(browser)
+    assert "error" in error.get_attribute("class")
+    assert error.text.startswith("ERROR\nHTTP 400: ") and "takes no images" in error.text, error.text
+    assert not by_css(browser, ".msg.assistant")
+    # the refused message is shown as not sent and left out of the conversation, which goes on
+    assert by_css(browser, ".msg.user")[0].get_attribute("data-state") == "refused"
+    assert browser.execute_script("return state.history") == []
+    send(browser, "hello")
+    turn = wait_for(browser, lambda d: by_css(d, ".msg.assistant[data-state=done]"), "no answer without images")[0]
+    assert len(by_css(browser, ".msg.error")) == 1
+    assert browser.execute_script("return state.lastRequest.messages") == [{"role": "user", "content": "hello"}]
+    assert turn.get_attribute("data-finish-reason") == "length"
+
+
+def test_copy_as_curl_and_python_carry_the_images(llava_server, llava_http, browser, tmp_path):
+    cat, owl = picture(1), picture(3)
+    open_page(browser, llava_server.url + "/")
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8")
+    attach_by_picker(browser, write(tmp_path, "cat.png", cat))
+    dispatch_files(browser, "drop", [("owl.png", "image/png", owl)])
+    attachments(browser, 2)
+    by_css(browser, "#prompt")[0].send_keys(QUESTION)
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image_part(cat), image_part(owl)]}]
+    reference = api_answer(llava_http, messages)
+    for button, command in (("#copy-curl", ["bash"]), ("#copy-python", [sys.executable])):
+        by_css(browser, button)[0].click()
+        wait_for(browser, lambda d: by_css(d, "#code-text")[0].text, "no snippet shown")
+        code = browser.execute_script("return document.getElementById('code-text').textContent")
+        assert data_url(cat) in code and data_url(owl) in code  # whole, not shortened
+        script = tmp_path / "snippet"
+        script.write_text(code + "\n")
+        result = subprocess.run([*command, str(script)], capture_output=True, timeout=60)
+        assert result.returncode == 0, result.stderr.decode()
+        if button == "#copy-curl":
+            events = [line[6:] for line in result.stdout.decode().split("\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(event) for event in events[:-1]]
+            streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        else:
+            streamed = result.stdout.decode().removesuffix("\n")
+        assert streamed == reference
+        by_css(browser, "#code-close")[0].click()
+    assert len(attachments(browser, 2)) == 2  # copying sends nothing: the images are still attached
+
+
+def test_screenshot_with_images(llava_server, browser, tmp_path):
+    """An answered message with an image, two more attached for the next one."""
+    browser.get_log("browser")  # the refusals of earlier tests
+    open_page(browser, llava_server.url + "/")
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "16")
+    attach_by_picker(browser, write(tmp_path, "cat.png", picture(1, (160, 120))))
+    attachments(browser, 1)
+    send(browser, QUESTION)
+    last_turn(browser)
+    attach_by_picker(browser, write(tmp_path, "dog.png", picture(2, (120, 160))))
+    dispatch_files(browser, "paste", [("image.png", "image/png", picture(3))])
+    attachments(browser, 2)
+    by_css(browser, "#prompt")[0].send_keys("And these two?")
+    target = Path(os.environ.get("EMBER_PLAYGROUND_IMAGES_SCREENSHOT") or tmp_path / "playground-images.png")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(target))
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not severe_console(browser)
 
 
 def test_screenshot(server, browser, tmp_path):

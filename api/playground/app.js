@@ -5,6 +5,7 @@
 
 const KEY_STORAGE = "ember-api-key";
 const CHAT_PATH = "v1/chat/completions";
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024;  // the server's default --max-image-bytes
 const DEFAULT_SCHEMA = {
   type: "object",
   properties: {
@@ -34,6 +35,8 @@ const state = {
   lastRequest: null,    // the body of the last request sent
   controller: null,     // aborts the generation in flight
   keyPrompt: null,      // the pending API-key question, shared by concurrent 401s
+  attachments: [],      // images for the next message, in the order attached: {name, size, url, ready}
+  sending: false,       // a message is being sent (its images still being read)
 };
 
 // -- the API key -------------------------------------------------------------------
@@ -174,7 +177,8 @@ function parseStop() {
 
 // The chat request the form describes, for ``messages``; throws on a field that is not JSON.
 function buildRequest(messages, isContinuation = false) {
-  const body = { model: $("model").value, messages, stream: true, stream_options: { include_usage: true } };
+  // a copy: the history grows after sending, the request sent (state.lastRequest) does not
+  const body = { model: $("model").value, messages: [...messages], stream: true, stream_options: { include_usage: true } };
   const system = $("system").value.trim();
   if (system) body.messages = [{ role: "system", content: system }, ...messages];
   for (const name of ["temperature", "top_p", "max_tokens", "seed"]) {
@@ -213,7 +217,7 @@ function buildRequest(messages, isContinuation = false) {
 }
 
 // -- the conversation's DOM -------------------------------------------------------------
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const element = document.createElement("div");
   element.className = `msg ${role}`;
   const label = document.createElement("div");
@@ -223,6 +227,16 @@ function addMessage(role, text) {
   content.className = "content";
   content.textContent = text || "";
   element.append(label, content);
+  if (images.length) {
+    const box = document.createElement("div");
+    box.className = "images";
+    for (const image of images) {
+      const img = thumbnail(image);
+      img.addEventListener("click", () => img.classList.toggle("large"));
+      box.append(img);
+    }
+    element.append(box);
+  }
   $("messages").append(element);
   element.scrollIntoView({ block: "end" });
   return element;
@@ -440,14 +454,15 @@ function setBusy(isBusy) {
   $("stop-generation").disabled = !isBusy;
 }
 
-// Sends the conversation and streams the answer into a new assistant message.
+// Sends the conversation and streams the answer into a new assistant message; false
+// when the request was not sent or the server refused it (nothing joined the history).
 async function complete(isContinuation) {
   let body;
   try {
     body = buildRequest(state.history, isContinuation);
   } catch (exc) {
     showError(exc.message);
-    return;
+    return false;
   }
   state.lastRequest = body;
   state.controller = new AbortController();
@@ -461,7 +476,7 @@ async function complete(isContinuation) {
     if (!response.ok) {
       element.remove();
       showError(`HTTP ${response.status}: ${await errorMessage(response)}`);
-      return;
+      return false;
     }
     for await (const data of sseEvents(response)) {
       if (data === "[DONE]") break;
@@ -487,16 +502,44 @@ async function complete(isContinuation) {
     state.controller = null;
     pollMetrics();
   }
+  return true;
+}
+
+// The user message of ``text`` and the attached images: plain text, or OpenAI's content
+// parts (the text, then one image_url part per image, in the order attached).
+function userMessage(text, images) {
+  if (!images.length) return { role: "user", content: text };
+  const parts = text.trim() ? [{ type: "text", text }] : [];
+  for (const image of images) parts.push({ type: "image_url", image_url: { url: image.url } });
+  return { role: "user", content: parts };
 }
 
 async function sendMessage(event) {
   event.preventDefault();
-  const text = $("prompt").value;
-  if (!text.trim() || state.controller) return;
-  $("prompt").value = "";
-  addMessage("user", text);
-  state.history.push({ role: "user", content: text });
-  await complete(false);
+  if (state.controller || state.sending) return;
+  state.sending = true;
+  try {
+    while (state.attachments.some((entry) => !entry.url)) await attachmentsRead();
+    const text = $("prompt").value;
+    const images = [...state.attachments];
+    if (!text.trim() && !images.length) return;
+    $("prompt").value = "";
+    state.attachments = [];
+    renderAttachments();
+    setAttachError("");
+    const element = addMessage("user", text, images);
+    const message = userMessage(text, images);
+    state.history.push(message);
+    const isSent = await complete(false);
+    if (isSent === false && state.history[state.history.length - 1] === message) {
+      // refused (e.g. images for a text-only model): the message leaves the conversation
+      state.history.pop();
+      element.dataset.state = "refused";
+      element.title = "not part of the conversation: the request was refused";
+    }
+  } finally {
+    state.sending = false;
+  }
 }
 
 async function sendToolResults(box, calls, button) {
@@ -510,11 +553,129 @@ async function sendToolResults(box, calls, button) {
   await complete(true);
 }
 
+// -- images attached to the next message -------------------------------------------------------
+// Read in the browser as data: URLs and sent inside the chat request; nothing is uploaded before.
+function formatBytes(size) {
+  if (size < 1024) return `${size} B`;
+  if (size < 1024 * 1024) return `${(size / 1024).toFixed(1)} KiB`;
+  return `${(size / 1024 / 1024).toFixed(1)} MiB`;
+}
+
+function setAttachError(text) {
+  $("attach-error").textContent = text;
+  $("attach-error").hidden = !text;
+}
+
+function readDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.addEventListener("load", () => resolve(reader.result));
+    reader.addEventListener("error", () => reject(reader.error || new Error("unreadable")));
+    reader.readAsDataURL(file);
+  });
+}
+
+// Attaches the image files among ``files`` (in their order); what is refused is said.
+function attachFiles(files) {
+  const problems = [];
+  for (const file of files) {
+    const name = file.name || "pasted image";
+    if (!file.type.startsWith("image/")) {
+      problems.push(`${name} is not an image (${file.type || "unknown type"})`);
+    } else if (file.size > MAX_IMAGE_BYTES) {
+      problems.push(`${name} is ${formatBytes(file.size)}, more than the ${formatBytes(MAX_IMAGE_BYTES)} an image may be`);
+    } else if (file.size === 0) {
+      problems.push(`${name} is empty`);
+    } else {
+      const entry = { name, size: file.size, type: file.type, url: null };
+      entry.ready = readDataURL(file).then((url) => {
+        entry.url = url;
+        renderAttachments();
+      }, (exc) => {
+        state.attachments = state.attachments.filter((other) => other !== entry);
+        renderAttachments();
+        setAttachError(`${name} could not be read: ${exc.message}`);
+      });
+      state.attachments.push(entry);
+    }
+  }
+  setAttachError(problems.length ? `Not attached: ${problems.join("; ")}.` : "");
+  renderAttachments();
+}
+
+// Waits for the images still being read (a failed read has removed its image).
+async function attachmentsRead() {
+  await Promise.all(state.attachments.map((entry) => entry.ready));
+}
+
+function thumbnail(image) {
+  const img = document.createElement("img");
+  img.className = "thumb";
+  img.alt = image.name;
+  img.title = `${image.name} (${formatBytes(image.size)})`;
+  if (image.url) img.src = image.url;
+  return img;
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  state.attachments.forEach((entry) => {
+    const item = document.createElement("div");
+    item.className = "attachment";
+    if (!entry.url) item.dataset.state = "reading";
+    const remove = Object.assign(document.createElement("button"), {
+      type: "button", className: "remove", textContent: "×", title: `remove ${entry.name}`,
+    });
+    remove.setAttribute("aria-label", `remove ${entry.name}`);
+    remove.addEventListener("click", () => {
+      state.attachments = state.attachments.filter((other) => other !== entry);
+      renderAttachments();
+      $("prompt").focus();
+    });
+    item.append(thumbnail(entry), remove);
+    box.append(item);
+  });
+  box.hidden = !state.attachments.length;
+}
+
+function imageFiles(dataTransfer) {
+  return dataTransfer ? [...dataTransfer.files] : [];
+}
+
+function hasFiles(event) {
+  return event.dataTransfer && [...event.dataTransfer.types].includes("Files");
+}
+
+function onPaste(event) {
+  const files = imageFiles(event.clipboardData);
+  if (!files.length) return;  // text: pasted as usual
+  attachFiles(files);
+  if (![...event.clipboardData.types].includes("text/plain")) event.preventDefault();
+}
+
+function onDragOver(event) {
+  if (!hasFiles(event)) return;  // dragged text: dropped as usual
+  event.preventDefault();
+  event.dataTransfer.dropEffect = "copy";
+  $("prompt").classList.add("dropping");
+}
+
+function onDrop(event) {
+  $("prompt").classList.remove("dropping");
+  if (!hasFiles(event)) return;
+  event.preventDefault();  // not the browser's own opening of the file
+  attachFiles(imageFiles(event.dataTransfer));
+}
+
 // -- copy as curl / Python --------------------------------------------------------------------
+// The request Send would make now (the typed message and the attached images, whole), or
+// the last one sent when nothing is typed or attached.
 function currentRequest() {
   const text = $("prompt").value;
-  if (!text.trim() && state.lastRequest) return state.lastRequest;
-  const messages = text.trim() ? [...state.history, { role: "user", content: text }] : state.history;
+  const images = state.attachments.filter((entry) => entry.url);
+  if (!text.trim() && !images.length && state.lastRequest) return state.lastRequest;
+  const messages = text.trim() || images.length ? [...state.history, userMessage(text, images)] : state.history;
   return buildRequest(messages);
 }
 
@@ -566,6 +727,7 @@ function pythonSnippet(body) {
 }
 
 async function showCode(title, make) {
+  while (state.attachments.some((entry) => !entry.url)) await attachmentsRead();
   let text;
   try {
     text = make(currentRequest());
@@ -611,6 +773,16 @@ function init() {
     }
   });
   $("stop-generation").addEventListener("click", () => state.controller && state.controller.abort());
+  $("attach").addEventListener("click", () => $("image-input").click());
+  $("image-input").addEventListener("change", () => {
+    attachFiles([...$("image-input").files]);
+    $("image-input").value = "";  // the same file may be attached again
+  });
+  $("prompt").addEventListener("paste", onPaste);
+  $("prompt").addEventListener("dragenter", onDragOver);
+  $("prompt").addEventListener("dragover", onDragOver);
+  $("prompt").addEventListener("dragleave", () => $("prompt").classList.remove("dropping"));
+  $("prompt").addEventListener("drop", onDrop);
   $("clear").addEventListener("click", () => {
     state.history = [];
     $("messages").replaceChildren();
