@@ -52,6 +52,7 @@ from ember.api.commands import (
 )
 from ember.api.logs import log_to_stderr
 from ember.api.lora import add_lora_arguments
+from ember.api.media import add_media_arguments
 from ember.api.pooling import add_pooling_arguments
 
 # -- parser ------------------------------------------------------------------------------------
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_arguments(serve)
     add_lora_arguments(serve)
     add_pooling_arguments(serve)
+    add_media_arguments(serve)
     add_watermark_arguments(serve, with_delta=True)
     serve.set_defaults(handler=run_serve)
 

@@ -190,6 +190,13 @@ ENV_OPTIONS: dict[str, EnvOption] = {
     "matryoshka": EnvOption("EMBER_MATRYOSHKA", _parse_bool),
     "score_template": EnvOption("EMBER_SCORE_TEMPLATE", str),
     "score_tokens": EnvOption("EMBER_SCORE_TOKENS", str),
+    "limit_mm_per_prompt": EnvOption("EMBER_LIMIT_MM_PER_PROMPT", str),
+    "allowed_media_domains": EnvOption("EMBER_ALLOWED_MEDIA_DOMAINS", parse_names),
+    "allowed_local_media_path": EnvOption("EMBER_ALLOWED_LOCAL_MEDIA_PATH", str),
+    "media_fetch_timeout": EnvOption("EMBER_MEDIA_FETCH_TIMEOUT", float),
+    "max_image_bytes": EnvOption("EMBER_MAX_IMAGE_BYTES", lambda text: parse_size_option(text, ValueError)),
+    "max_image_pixels": EnvOption("EMBER_MAX_IMAGE_PIXELS", int),
+    "encoder_cache_size": EnvOption("EMBER_ENCODER_CACHE_SIZE", int),
 }
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -269,6 +276,13 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "matryoshka": None,  # None: the model's config.json says
     "score_template": None,
     "score_tokens": None,  # None: yes,no
+    "limit_mm_per_prompt": None,  # None: image=4
+    "allowed_media_domains": [],  # none: remote image fetching is off
+    "allowed_local_media_path": None,  # None: file:// image URLs are off
+    "media_fetch_timeout": 10.0,
+    "max_image_bytes": 20 * 1024 * 1024,
+    "max_image_pixels": 40_000_000,
+    "encoder_cache_size": None,  # None: the engine's default (8192 or a step's token budget)
 }
 # TGI's variable: LoRA adapters to load at start, added to --lora-modules / EMBER_LORA_MODULES
 LORA_ADAPTERS_VARIABLE = "LORA_ADAPTERS"

@@ -136,6 +136,13 @@ def run_serve(args: argparse.Namespace) -> int:
         matryoshka=args.matryoshka,
         score_template=args.score_template,
         score_tokens=args.score_tokens,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_media_domains=tuple(args.allowed_media_domains),
+        allowed_local_media_path=args.allowed_local_media_path,
+        media_fetch_timeout=args.media_fetch_timeout,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        encoder_cache_size=args.encoder_cache_size,
     )
     from ember.parallel import is_torchrun_worker, run_torchrun_worker
 

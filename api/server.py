@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 
 from ember.api.errors import APIError, Flavor, error_response
 from ember.api.http import REQUEST_ID_HEADER, TRACE_ID_HEADER, RequestMiddleware, flavor_of, route_path
+from ember.api.media import fetch_policy, media_limits
 from ember.api.observability import ServerMetrics, Tracing, create_otlp_provider
 from ember.api.plugin_context import plugin_routes
 from ember.api.pooling import create_score_template
@@ -32,6 +33,7 @@ from ember.api.responses_store import ResponsesStore
 from ember.api.routes.anthropic import MessagesRoutes
 from ember.api.routes.common import CommonRoutes
 from ember.api.routes.lora import LoRAMetrics, LoRARoutes
+from ember.api.routes.media import ServerMedia
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.openai_completions import CompletionRoutes
 from ember.api.routes.openai_embeddings import EmbeddingRoutes
@@ -91,6 +93,8 @@ def create_app(engine: EngineClient, settings: ServerSettings, tracer_provider=N
     if model_id in engine.adapters():
         raise ValueError(f"--lora-modules: adapter name {model_id!r} is the served model's name; choose another")
     service.adapter_parents.update({m.name: m.base_model_name for m in settings.lora_modules if m.base_model_name})
+    service.media = ServerMedia(engine, model_id, media_limits(settings), fetch_policy(settings), settings.model_impl,
+                                service.run_blocking)
     lifecycle = Lifecycle(engine, settings.graceful_termination_timeout)
     metrics = ServerMetrics(engine, in_flight=lambda: service.num_in_flight)
     if model.lora is not None:

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ember.api.errors import APIError, overloaded, validation_error
 from ember.api.observability import GenerationRecord, current
@@ -74,6 +74,8 @@ class GenerationService:
         self.chars_per_token = self.model_info.max_chars_per_token
         # adapter name -> the base model /v1/models names as its parent, where --lora-modules' JSON form named one
         self.adapter_parents: dict[str, str] = {}
+        # the served model's images (`ember.api.routes.media.ServerMedia`), set by `create_app`
+        self.media: Any = None
         self._executor = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ember-prepare")
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
@@ -197,12 +199,14 @@ class GenerationService:
 
     async def generate(
         self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-        output_kind: OutputKind = OutputKind.CUMULATIVE, adapter: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE, adapter: str | None = None, mm_items: tuple = (),
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for a request that passed :meth:`validate` (every route
         validates while preparing, so the engine does not again); the current request's
         context records their timings and counts. ``output_kind``: DELTA for streams.
-        ``adapter``: a loaded adapter's name (`adapter_for_model` / `adapter_for_id`), None for the base."""
+        ``adapter``: a loaded adapter's name (`adapter_for_model` / `adapter_for_id`), None for the base.
+        ``mm_items``: the prompt's processed images (`ember.api.routes.media`; ``prompt_ids``
+        expanded), passed to the engine only when there are some."""
         record = GenerationRecord(len(prompt_ids), params.num_samples, adapter=adapter)
         ctx = current()
         if ctx is not None:
@@ -210,7 +214,7 @@ class GenerationService:
         try:
             async for out in self.client.generate(
                 prompt, params, prompt_token_ids=prompt_ids, priority=priority, validated=True, output_kind=output_kind,
-                **({"adapter": adapter} if adapter is not None else {}),
+                **({"adapter": adapter} if adapter is not None else {}), **({"mm_items": mm_items} if mm_items else {}),
             ):
                 record.observe(out)
                 yield out
@@ -234,10 +238,11 @@ class GenerationService:
 
     async def generate_final(
         self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-        adapter: str | None = None,
+        adapter: str | None = None, mm_items: tuple = (),
     ) -> RequestOutput:
         last = None
-        async for out in self.generate(prompt, prompt_ids, params, priority, adapter=adapter):
+        media = {"mm_items": mm_items} if mm_items else {}
+        async for out in self.generate(prompt, prompt_ids, params, priority, adapter=adapter, **media):
             last = out
         assert last is not None and last.finished
         return last

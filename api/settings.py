@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.api.lora import LoRAModule, lora_modules
+from ember.api.media import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    check_media_options,
+)
 from ember.config import compile_priority
 from ember.grammar_limits import GrammarLimits
 
@@ -153,6 +159,16 @@ class ServerSettings:
     matryoshka: bool | None = None
     score_template: str | None = None
     score_tokens: str | None = None
+    # images (docs/multimodal.md, vLLM's flags): --limit-mm-per-prompt image=N (None: 4), --allowed-media-domains
+    # (empty: remote fetching off), --allowed-local-media-path (None: file:// off), --media-fetch-timeout,
+    # --max-image-bytes, --max-image-pixels, --encoder-cache-size (None: the engine's default)
+    limit_mm_per_prompt: str | dict | None = None
+    allowed_media_domains: tuple[str, ...] = field(default_factory=tuple)
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # bytes (or a size's text: "5MiB")
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    encoder_cache_size: int | None = None
 
     @property
     def lora_enabled(self) -> bool:
@@ -163,7 +179,16 @@ class ServerSettings:
         object.__setattr__(self, "disabled_plugins", tuple(self.disabled_plugins))
         object.__setattr__(self, "required_plugins", tuple(self.required_plugins))
         object.__setattr__(self, "cors_allow_origins", tuple(self.cors_allow_origins))
+        domains = self.allowed_media_domains  # "a,b" as the flag and its variable write it
+        object.__setattr__(self, "allowed_media_domains", tuple(
+            (d.strip() for d in domains.split(",") if d.strip()) if isinstance(domains, str) else domains))
         self.check_production_options()
+        if isinstance(self.max_image_bytes, str):  # --max-image-bytes 5MiB
+            try:
+                object.__setattr__(self, "max_image_bytes", parse_size(self.max_image_bytes))
+            except ValueError as exc:
+                raise ValueError(f"--max-image-bytes: {exc}") from None
+        check_media_options(self)
         positive = {
             "port": self.port,
             "max_concurrent_requests": self.max_concurrent_requests,
@@ -408,6 +433,7 @@ def engine_config_kwargs(settings: ServerSettings) -> dict:
             lora_dtype=settings.lora_dtype,
         )
     kwargs.update(pooling=settings.pooling, pooling_normalize=settings.pooling_normalize, matryoshka=settings.matryoshka)
+    kwargs.update(limit_mm_per_prompt=settings.limit_mm_per_prompt, encoder_cache_size=settings.encoder_cache_size)
     return kwargs
 
 

@@ -156,7 +156,7 @@ BAD = [
     ({"container": "c"}, 400, "container"),
     ({"output_config": {"effort": "low"}}, 400, "output_config"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "messages[0].content[0].type"),
+     "`messages[0].content[0]`: model 'tiny' takes no images"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400, "'document'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]},
      400, "messages[0].content[0].type"),

@@ -314,7 +314,8 @@ BAD = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"nonsense": 1}, "nonsense"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0].type"),
+     "input[0].content[0]"),  # the text-only model takes no images
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),

@@ -299,8 +299,9 @@ def ROWS() -> list[Row]:
         Row("response_format json_schema without a schema", post("/v1/chat/completions",
                                                                  chat(response_format={"type": "json_schema"})), 400),
         Row("stream_options without stream", post("/v1/completions", completion(stream_options={"include_usage": True})), 422),
-        Row("image content part", post("/v1/chat/completions", {**chat(), "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 422),
+        Row("image content part to a text-only model", post("/v1/chat/completions", {**chat(), "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 400,
+            [error_names("takes no images")]),
         Row("role tool (a tool result)", post("/v1/chat/completions", {**chat(), "messages": [{"role": "tool", "content": "x"}]}), 200),
         Row("echo with token ids and logprobs", post("/v1/completions", completion(prompt=[5, 6, 7], echo=True, logprobs=2)),
             200, [finite_logprobs]),
@@ -363,7 +364,7 @@ def RESPONSES_ROWS() -> list[Row]:
         Row("responses: empty body", raw("/v1/responses", b""), 400, [openai_error]),
         Row("responses: no input", post("/v1/responses", {"model": "m"}), 400, named("input")),
         Row("responses: image part", post("/v1/responses", item({"role": "user", "content": [
-            {"type": "input_image", "image_url": "http://x"}]})), 400, named("input[0].content[0].type")),
+            {"type": "input_image", "image_url": "http://x"}]})), 400, named("input[0].content[0]", "takes no images")),
         Row("responses: item that is a string", post("/v1/responses", item("text")), 400, named("input")),
         Row("responses: function_call without call_id", post("/v1/responses", item(
             {"type": "function_call", "name": "f", "arguments": "{}"})), 400, named("call_id")),

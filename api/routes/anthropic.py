@@ -1,8 +1,9 @@
 """POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API) on the chat path.
 
 A request becomes the OpenAI chat request it means (`chat_request`): ``system`` the first
-message, ``text`` blocks a message's text, an assistant's ``tool_use`` blocks its tool
-calls, a user's ``tool_result`` blocks tool messages; ``tools`` function tools and
+message, ``text`` blocks a message's text, a user's ``image`` blocks (base64 or url
+sources, for a model that takes images) its image parts, an assistant's ``tool_use``
+blocks its tool calls, a user's ``tool_result`` blocks tool messages; ``tools`` function tools and
 ``tool_choice`` auto / any / tool / none the chat's auto / required / named function /
 none. That request then runs through `ChatRoutes` (the chat template with tools, the
 tool-call parser, forced calls by grammar), and the answer is written back as text and
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -37,6 +38,7 @@ from ember.api.errors import (
 )
 from ember.api.http import parse_model, read_json
 from ember.api.openapi import GENERATION_ERRORS, documented
+from ember.api.routes.media import NeedsMedia, complete
 from ember.api.routes.openai import AnswerReader, Job
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.schemas import anthropic as an
@@ -46,7 +48,9 @@ from ember.engine.tool_calls import NO_TOOLS, ToolSetup
 from ember.outputs import RequestOutput
 from ember.plugin.reasoning_parser import BaseReasoningParser
 
-BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+BLOCK_TYPES = {"user": ("text", "tool_result", "image"),
+               "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what Anthropic's image blocks take
 THINKING_BLOCKS = {"thinking": an.ThinkingBlock, "redacted_thinking": an.RedactedThinkingBlock}
 
 
@@ -71,8 +75,28 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
-    """The request's system prompt and messages as OpenAI chat messages."""
+def image_url_of(block: dict, where: str) -> str:
+    """An image block's source as the URL the chat path loads (base64 data as a data: URL);
+    a 400 naming the field for a malformed source or a media type Anthropic's API refuses."""
+    source = _block(an.ImageBlock, block, where).source
+    at = f"{where}.source"
+    kind = source.get("type")
+    if kind == "base64":
+        checked = _block(an.Base64ImageSource, source, at)
+        if checked.media_type not in IMAGE_MEDIA_TYPES:
+            raise bad_request(f"`{at}.media_type` is {checked.media_type[:100]!r}: image blocks take "
+                              f"{', '.join(IMAGE_MEDIA_TYPES)}", f"{at}.media_type")
+        return f"data:{checked.media_type};base64,{checked.data}"
+    if kind == "url":
+        return _block(an.URLImageSource, source, at).url
+    raise bad_request(f'`{at}.type` is {str(kind)[:100]!r}: an image source is "base64" or "url"', f"{at}.type")
+
+
+def chat_messages_of(body: an.CountTokensRequest, places: dict[str, str] | None = None,
+                     check_image: Callable[[str], None] | None = None) -> list[dict]:
+    """The request's system prompt and messages as OpenAI chat messages; an image block
+    becomes an `image_url` part (``check_image(where)`` first: a 400 for a model that
+    takes no images), and ``places`` maps that part to the block's source."""
     messages: list[dict] = []
     if body.system is not None:
         messages.append({"role": "system", "content": _text(body.system)})
@@ -81,6 +105,7 @@ def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
             messages.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
+        parts: list[tuple[dict, str | None]] = []  # a user message's text and image parts, each image's source
         calls: list[dict] = []
         num_results = 0
         for k, block in enumerate(message.content):
@@ -89,11 +114,17 @@ def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
             if kind not in BLOCK_TYPES[message.role]:
                 allowed = " and ".join(repr(t) for t in BLOCK_TYPES[message.role])
                 raise bad_request(f"`{where}.type` is {kind!r}: Ember supports only {allowed} blocks in a "
-                                  f"{message.role} message (no images or documents)", f"{where}.type")
+                                  f"{message.role} message (no documents)", f"{where}.type")
             if kind in THINKING_BLOCKS:  # earlier thinking stays out of the prompt, as in Anthropic's API
                 _block(THINKING_BLOCKS[kind], block, where)
+            elif kind == "image":
+                if check_image is not None:
+                    check_image(where)
+                url = image_url_of(block, where)
+                parts.append(({"type": "image_url", "image_url": {"url": url}}, f"{where}.source"))
             elif kind == "text":
                 texts.append(_block(an.TextBlock, block, where).text)
+                parts.append(({"type": "text", "text": texts[-1]}, None))
             elif kind == "tool_use":
                 use = _block(an.ToolUseBlock, block, where)
                 calls.append({"id": use.id, "type": "function",
@@ -107,14 +138,21 @@ def chat_messages_of(body: an.CountTokensRequest) -> list[dict]:
         if message.role == "assistant":
             entry = {"role": "assistant", "content": "\n".join(texts)}
             messages.append({**entry, "tool_calls": calls} if calls else entry)
+        elif len(parts) > len(texts):  # images among the text: the parts, each image's source named
+            for k, (_, source) in enumerate(parts):
+                if source is not None and places is not None:
+                    places[f"messages[{len(messages)}].content[{k}]"] = source
+            messages.append({"role": "user", "content": [part for part, _ in parts]})
         elif texts or not num_results:
             messages.append({"role": "user", "content": "\n".join(texts)})
     return messages
 
 
-def chat_request(body: an.CountTokensRequest) -> oa.ChatCompletionRequest:
-    """The OpenAI chat request an Anthropic request means."""
-    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages_of(body)}
+def chat_request(body: an.CountTokensRequest, places: dict[str, str] | None = None,
+                 check_image: Callable[[str], None] | None = None) -> oa.ChatCompletionRequest:
+    """The OpenAI chat request an Anthropic request means (``places``, ``check_image``:
+    `chat_messages_of`)."""
+    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages_of(body, places, check_image)}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": tool.name, "parameters": tool.input_schema,
@@ -173,7 +211,7 @@ class MessagesRoutes(ChatRoutes):
     async def messages(self, request: Request) -> Response:
         try:
             body = await self._read(request, an.MessagesRequest)
-            job, setup = await self.service.run_blocking(self._messages_job, body)
+            job, setup = await complete(self.service, await self.service.run_blocking(self._messages_job, body))
             thinker = self._reasoning_parser() if self._shows_thinking(body) else None
             if body.stream:
                 return await self._stream(lambda outs: self._message_events(body, job, setup, thinker, outs), [job])
@@ -204,19 +242,28 @@ class MessagesRoutes(ChatRoutes):
     async def count_tokens(self, request: Request) -> Response:
         try:
             body = await self._read(request, an.CountTokensRequest)
-            num_tokens = await self.service.run_blocking(self._count, body)
+            num_tokens = await complete(self.service, await self.service.run_blocking(self._count, body))
         except APIError as exc:
             return error_response(exc, Flavor.ANTHROPIC)
         return JSONResponse({"input_tokens": num_tokens})
 
-    def _count(self, body: an.CountTokensRequest) -> int:
-        """The templated prompt's tokens (tools included), as /v1/messages would send them."""
+    def _count(self, body: an.CountTokensRequest) -> int | NeedsMedia[int]:
+        """The templated prompt's tokens (tools included), as /v1/messages would send them
+        (images counted as the tokens they expand to, once processed)."""
         self.service.adapter_for_model(body.model)
         self._shows_thinking(body)
-        chat = chat_request(body)
+        places: dict[str, str] = {}
+        chat = chat_request(body, places, self._check_image)
         setup = self._tool_setup(chat) if chat.tools or chat.tool_choice is not None else NO_TOOLS
-        prompt = self._chat_prompt(chat.messages, setup)
-        return len(self.service.encode(prompt, add_special_tokens=False))
+        prompt, images = self._chat_prompt(chat.messages, setup, places)
+        ids = self.service.encode(prompt, add_special_tokens=False)
+        return (NeedsMedia(ids, images, "messages", lambda expanded, _: len(expanded), prompt) if images
+                else len(ids))
+
+    def _check_image(self, where: str) -> None:
+        """A 400 naming the block for an image sent to a model that takes none."""
+        if self.service.media.image_text is None:
+            raise self.service.media.no_images(where)
 
     def _shows_thinking(self, body: an.CountTokensRequest) -> bool:
         """Whether the answer carries the reasoning as ``thinking`` blocks (with
@@ -236,20 +283,21 @@ class MessagesRoutes(ChatRoutes):
                                   f"({body.max_tokens})", "thinking.budget_tokens")
         return self._reasoning_parser() is not None and (thinking is None or thinking.type == "enabled")
 
-    def _messages_job(self, body: an.MessagesRequest) -> tuple[Job, ToolSetup]:
+    def _messages_job(self, body: an.MessagesRequest) -> tuple[Job, ToolSetup] | NeedsMedia[tuple[Job, ToolSetup]]:
         self.service.adapter_for_model(body.model)  # a 404 before the messages are read
         stop = body.stop_sequences or []
         self.service.check_stop(stop, "stop_sequences")
         if any(not text for text in stop):
             raise bad_request("`stop_sequences` strings must be non-empty", "stop_sequences")
-        chat = chat_request(body)
+        places: dict[str, str] = {}
+        chat = chat_request(body, places, self._check_image)
         if self._shows_thinking(body) and body.thinking is not None:  # enabled, with its budget
             parser = self._reasoning_parser()
             budget = {"budget": body.thinking.budget_tokens, "end": parser.end_tag}
             if not getattr(parser, "starts_in_reasoning", False):  # the model opens the tag itself
                 budget["start"] = parser.start_tag
             chat = chat.model_copy(update={"extra": {"thinking_budget": budget}})
-        return self._chat_job(chat)
+        return self._chat_job(chat, places)
 
     @staticmethod
     def _content(text: str, setup: ToolSetup) -> tuple[list[dict], bool]:

@@ -56,6 +56,7 @@ class Job:
     priority: int = 0
     constraint_param: str | None = None  # the field its constraint came from (named by a 400)
     adapter: str | None = None  # the LoRA adapter it runs under; None: the base model
+    mm_items: tuple = ()  # its processed images (`ember.api.routes.media`); prompt_ids expanded
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,8 +249,10 @@ class OpenAIRoutes:
                       self.system_fingerprint, include_usage)
 
     def _generate(self, job: Job, kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
-        """The service's outputs for one job (its adapter named only when it has one)."""
+        """The service's outputs for one job (its adapter and images named only when it has them)."""
         adapter = {"adapter": job.adapter} if job.adapter is not None else {}
+        if job.mm_items:
+            adapter["mm_items"] = job.mm_items
         return self.service.generate(job.prompt, job.prompt_ids, job.params, job.priority, kind, **adapter)
 
     async def _outputs(

@@ -1,13 +1,16 @@
 """POST /v1/chat/completions (OpenAI): messages through the chat template, tools and
 tool_choice (a tool-call parser, `ember.engine.tool_calls`, reads the answer into
-`tool_calls`, streamed as OpenAI does), logprobs, structured outputs. The plumbing it
-shares with /v1/completions is `ember.api.routes.openai`."""
+`tool_calls`, streamed as OpenAI does), logprobs, structured outputs; `image_url` parts
+for a model that takes images (each becomes the model's placeholder in the text, the
+image is loaded and processed by `ember.api.routes.media`). The plumbing it shares with
+/v1/completions is `ember.api.routes.openai`."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from jinja2 import TemplateError
 from starlette.requests import Request
@@ -23,6 +26,7 @@ from ember.api.errors import (
 )
 from ember.api.http import read_model
 from ember.api.openapi import GENERATION_ERRORS, documented
+from ember.api.routes.media import NeedsMedia, complete, relocated
 from ember.api.routes.openai import (
     DONE_EVENT,
     AnswerReader,
@@ -39,6 +43,8 @@ from ember.api.schemas import openai as oa
 from ember.api.service import GenerationService
 from ember.api.structured_outputs import after_reasoning, check_backend, failure, openai_constraint
 from ember.engine.tool_calls import NO_TOOLS, ToolSetup, chat_messages, setup_tools
+from ember.multimodal.chat import ImageRef, join_openai_parts
+from ember.multimodal.limits import MediaError
 from ember.outputs import RequestOutput
 from ember.plugin.reasoning_parser import BaseReasoningParser
 from ember.plugin.tool_parser import ToolCallDelta
@@ -120,7 +126,7 @@ class ChatRoutes(OpenAIRoutes):
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await read_model(request, oa.ChatCompletionRequest)
-            job, setup = await self.service.run_blocking(self._chat_job, body)
+            job, setup = await complete(self.service, await self.service.run_blocking(self._chat_job, body))
             reply = self._reply("chatcmpl", "chat.completion", body)
             if body.stream:
                 chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,
@@ -169,7 +175,10 @@ class ChatRoutes(OpenAIRoutes):
             param = "tools" if str(exc).startswith("tools") else "tool_choice"
             raise bad_request(str(exc), param) from None
 
-    def _chat_job(self, body: oa.ChatCompletionRequest) -> tuple[Job, ToolSetup]:
+    def _chat_job(self, body: oa.ChatCompletionRequest, places: dict[str, str] | None = None
+                  ) -> tuple[Job, ToolSetup] | NeedsMedia[tuple[Job, ToolSetup]]:
+        """The request checked, templated and tokenized; with images, `NeedsMedia` (which
+        `complete` finishes once they are processed). ``places``: see `_chat_prompt`."""
         adapter = self.service.adapter_for_model(body.model)
         check_not_yet(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -189,23 +198,33 @@ class ChatRoutes(OpenAIRoutes):
                 "disagree; send one of them", "max_completion_tokens",
             )
         self._check_stop(body)
-        prompt = self._chat_prompt(body.messages, setup)
+        prompt, images = self._chat_prompt(body.messages, setup, places)
+
+        def finish(ids: list[int], mm_items: tuple = ()) -> tuple[Job, ToolSetup]:
+            length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+            requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
+            if params.constraint is not None:  # a plain request calls nothing of the grammar plumbing
+                params = after_reasoning(params, self._reasoning_parser())
+            self.service.validate(ids, params)
+            return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param, adapter=adapter,
+                       mm_items=mm_items), setup
+
         ids = self.service.encode(prompt, add_special_tokens=False)
-        length_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, self._max_tokens(len(ids), requested, "messages", length_param), constraint)
-        if params.constraint is not None:  # a plain request calls nothing of the grammar plumbing
-            params = after_reasoning(params, self._reasoning_parser())
-        self.service.validate(ids, params)
-        return Job(0, prompt, ids, params, priority=body.priority, constraint_param=param, adapter=adapter), setup
+        return NeedsMedia(ids, images, "messages", finish, prompt) if images else finish(ids)
 
     def _chat_logprobs(self, body: oa.ChatCompletionRequest, out: RequestOutput, start: int) -> oa.ChatLogprobs | None:
         return chat_logprobs(self.service, out, start, body.top_logprobs or 0) if body.logprobs else None
 
-    def _chat_prompt(self, messages: list[oa.ChatMessage], setup: ToolSetup) -> str:
+    def _chat_prompt(self, messages: list[oa.ChatMessage], setup: ToolSetup, places: dict[str, str] | None = None
+                     ) -> tuple[str, list[ImageRef]]:
         """The messages (tool calls and results among them) and the tools through the
-        chat template (after a length check: the prompt holds every message's text)."""
+        chat template (after a length check: the prompt holds every message's text), and
+        the images its image parts name, in order (each part is the model's placeholder
+        text in its message). ``places``: this request's part -> the part of the client's
+        request it was made from (the Messages and Responses APIs), named by errors."""
         plain = []
+        images: list[ImageRef] = []
         for i, message in enumerate(messages):
             content = message.content
             if content is None:
@@ -213,15 +232,7 @@ class ChatRoutes(OpenAIRoutes):
                     raise validation_error(f"`messages[{i}].content` is missing", f"messages[{i}].content")
                 content = ""
             elif not isinstance(content, str):
-                for k, part in enumerate(content):
-                    where = f"messages[{i}].content[{k}]"
-                    if part.type != "text":
-                        raise validation_error(
-                            f"`{where}` has type {part.type!r}: only \"text\" parts are supported", f"{where}.type"
-                        )
-                    if part.text is None:
-                        raise validation_error(f"`{where}` is a text part without `text`", f"{where}.text")
-                content = "\n".join(part.text for part in content)  # type: ignore[misc]
+                content = self._parts_text(content, f"messages[{i}].content", images, places)
             role = "system" if message.role == "developer" else message.role
             entry: dict = {"role": role, "content": content}
             if message.tool_calls:
@@ -240,9 +251,31 @@ class ChatRoutes(OpenAIRoutes):
             if setup.tools or any("tool_calls" in m for m in plain):
                 registry = client.plugin_manager.registries.tool_parsers
                 plain, tools = chat_messages(plain, setup, registry, client.chat_template, self.service.info.tool_call_parser)
-            return client.apply_chat_template(plain, tools)
+            return client.apply_chat_template(plain, tools), images
         except (ValueError, TemplateError) as exc:
             raise validation_error(f"`messages` could not be formatted by the chat template: {exc}", "messages") from None
+
+    def _parts_text(self, parts: list[oa.TextContentPart], where: str, images: list[ImageRef],
+                    places: dict[str, str] | None) -> str:
+        """A message's parts as its text: text parts joined by newlines, each image part
+        the model's placeholder text (its `ImageRef` added to ``images``); a model that
+        takes no images refuses an image part (400 naming it and the model)."""
+        for k, part in enumerate(parts):
+            at = f"{where}[{k}]"
+            if part.type not in ("text", "image_url"):
+                raise validation_error(f"`{at}` has type {part.type!r}: only \"text\" and \"image_url\" parts are "
+                                       "supported", f"{at}.type")
+            if part.type == "text" and part.text is None:
+                raise validation_error(f"`{at}` is a text part without `text`", f"{at}.text")
+        if all(part.type == "text" for part in parts):
+            return "\n".join(part.text for part in parts)  # type: ignore[misc]
+        media = self.service.media
+        try:
+            text, refs = join_openai_parts(parts, media.image_text, where, self.service.info.model_id)
+        except MediaError as exc:
+            raise media.error(relocated(exc, places)) from None
+        images += [replace(ref, where=(places or {}).get(ref.where, ref.where)) for ref in refs]
+        return text
 
     async def _chat_events(
         self, reply: Reply, job: Job, setup: ToolSetup, outputs: AsyncIterator

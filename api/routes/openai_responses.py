@@ -2,11 +2,11 @@
 POST /v1/responses/{id}/cancel.
 
 A request is mapped onto the chat path (`ChatRoutes`): its input items become chat
-messages (`responses_items`), its tools, tool choice and `text.format` the chat's
-tools, forced calls and structured outputs, so the chat template, the tool-call and
-reasoning parsers and the grammar backends are the chat route's. The answer comes back
-as output items (`reasoning`, `message`, `function_call`), streamed with OpenAI's
-events (`responses_events`). `store` (default true) keeps the response and its
+messages (`responses_items`; `input_image` parts the chat's image parts), its tools,
+tool choice and `text.format` the chat's tools, forced calls and structured outputs, so
+the chat template, the images, the tool-call and reasoning parsers and the grammar
+backends are the chat route's. The answer comes back as output items (`reasoning`,
+`message`, `function_call`), streamed with OpenAI's events (`responses_events`). `store` (default true) keeps the response and its
 conversation in the bounded `ResponsesStore`, which `previous_response_id` continues
 and GET reads. Errors have OpenAI's shape; a field Ember cannot honour is a 400 naming
 it.
@@ -30,6 +30,7 @@ from ember.api.http import parse_model, read_json
 from ember.api.openapi import GENERATION_ERRORS, documented
 from ember.api.responses_store import ResponsesStore
 from ember.api.routes import responses_items as items
+from ember.api.routes.media import NeedsMedia, complete, then
 from ember.api.routes.openai import AnswerReader, Job
 from ember.api.routes.openai_chat import ChatRoutes
 from ember.api.routes.responses_events import EventWriter
@@ -86,7 +87,7 @@ class ResponsesRoutes(ChatRoutes):
                 body = parse_model(rs.ResponsesRequest, data)
             except APIError as exc:  # OpenAI answers 400 for a malformed field
                 raise bad_request(exc.message, exc.param) from None
-            plan = await self.service.run_blocking(self._plan, body)
+            plan = await self._planned(body)
             if body.stream:
                 return await self._stream(lambda outs: self._events(plan, outs), [plan.job])
             outs = await self._run(request, [plan.job])
@@ -146,7 +147,15 @@ class ResponsesRoutes(ChatRoutes):
                                           "response_id"), Flavor.OPENAI)
 
     # -- the request ------------------------------------------------------------------------
-    def _plan(self, body: rs.ResponsesRequest) -> Plan:
+    async def _planned(self, body: rs.ResponsesRequest) -> Plan:
+        """`_plan` on a preparation thread, and its images loaded and processed (`complete`);
+        an error about a chat field names the Responses field."""
+        try:
+            return await complete(self.service, await self.service.run_blocking(self._plan, body))
+        except APIError as exc:
+            raise items.renamed(exc) from None
+
+    def _plan(self, body: rs.ResponsesRequest) -> Plan | NeedsMedia[Plan]:
         """The chat request this one means, checked and tokenized (on a preparation thread)."""
         self.service.adapter_for_model(body.model)  # a 404 before the items are read
         if body.stream_options is not None and not body.stream:
@@ -159,7 +168,8 @@ class ResponsesRoutes(ChatRoutes):
             conversation = list(entry.conversation)
         conversation += items.check_items(body.input)
         fields: dict[str, Any] = {name: getattr(body, name) for name in SAME_FIELDS}
-        fields.update(messages=items.chat_messages(conversation, body.instructions),
+        places: dict[str, str] = {}  # each image part of the chat request -> its input part
+        fields.update(messages=items.chat_messages(conversation, body.instructions, places),
                       tools=items.chat_tools(body.tools), tool_choice=items.chat_tool_choice(body.tool_choice),
                       response_format=items.response_format(body.text), max_completion_tokens=body.max_output_tokens,
                       stream=body.stream)
@@ -169,12 +179,17 @@ class ResponsesRoutes(ChatRoutes):
             err = items.renamed(from_validation_error(exc))
             raise bad_request(err.message, err.param) from None
         try:
-            job, setup = self._chat_job(chat)
+            prepared = self._chat_job(chat, places)
         except APIError as exc:
             raise items.renamed(exc) from None
-        if job.constraint_param in items.CHAT_NAMES:  # a grammar that fails names the Responses field
-            job = replace(job, constraint_param=items.CHAT_NAMES[job.constraint_param])
-        return Plan(body, job, setup, conversation, items.new_id("resp"), int(time.time()))
+
+        def plan(prepared: tuple[Job, ToolSetup]) -> Plan:
+            job, setup = prepared
+            if job.constraint_param in items.CHAT_NAMES:  # a grammar that fails names the Responses field
+                job = replace(job, constraint_param=items.CHAT_NAMES[job.constraint_param])
+            return Plan(body, job, setup, conversation, items.new_id("resp"), int(time.time()))
+
+        return then(prepared, plan)
 
     # -- the answer ---------------------------------------------------------------------------
     def _output(self, out: RequestOutput, setup: ToolSetup) -> list[dict[str, Any]]:

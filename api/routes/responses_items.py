@@ -3,8 +3,10 @@ choice, text format) as the chat request the chat route runs, and a generated an
 as output items (`reasoning`, `message`, `function_call`).
 
 Every input item is checked on its own, so a malformed one is a 400 naming it
-(`input[2].call_id`); what Ember cannot take (images, files, audio, built-in tools and
-their calls, item references) is a 400 naming the item, never skipped. `reasoning`
+(`input[2].call_id`); `input_image` parts become chat's `image_url` parts (a model that
+takes no images refuses them on the chat path, naming the part); what Ember cannot take
+(files, audio, built-in tools and their calls, item references) is a 400 naming the item,
+never skipped. `reasoning`
 items sent back are skipped on purpose: chat templates leave earlier turns' reasoning
 out of the prompt.
 """
@@ -68,23 +70,44 @@ def _checked(model: type[BaseModel], value: Any, where: str) -> Any:
         raise bad_request(f"`{where}`: {err.message}", f"{where}.{err.param}" if err.param else where) from None
 
 
-def _parts_text(parts: list[dict[str, Any]], where: str) -> str:
-    """Text parts joined by newlines; an image, file or audio part is a 400 naming it."""
-    texts = []
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An `input_image` part as chat's `image_url` part; a 400 naming the field for a
+    `file_id` (Ember has no files API) or a part without `image_url`."""
+    checked = _checked(rs.ImagePart, part, where)
+    if checked.file_id is not None:
+        raise bad_request(f"`{where}.file_id`: file_id is not supported: send image_url (a data: URL, or an "
+                          "http(s):// or file:// URL the server allows)", f"{where}.file_id")
+    if checked.image_url is None:
+        raise bad_request(f"`{where}` is an input_image part without `image_url`", f"{where}.image_url")
+    detail = {"detail": checked.detail} if checked.detail is not None else {}
+    return {"type": "image_url", "image_url": {"url": checked.image_url, **detail}}
+
+
+def _parts(parts: list[dict[str, Any]], where: str, images: bool = True) -> tuple[str | list[dict[str, Any]], dict]:
+    """Parts as chat content: their text joined by newlines, or with an image among them
+    chat's text and `image_url` parts; and each image part's index -> its place here. A
+    file or audio part (an image where ``images`` is False) is a 400 naming it."""
+    texts: list[str] = []
+    chat_parts: list[dict[str, Any]] = []
+    sources: dict[int, str] = {}
     for k, part in enumerate(parts):
         at = f"{where}[{k}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            sources[len(chat_parts)] = at
+            chat_parts.append(_image_part(part, at))
+            continue
         if kind not in PART_TYPES:
-            why = " (Ember has no vision)" if kind == "input_image" else ""
-            raise bad_request(f"`{at}.type` is {kind!r}: only text parts (input_text, output_text) are "
-                              f"supported{why}", f"{at}.type")
+            allowed = "text parts (input_text, output_text)" + (" and input_image parts" if images else "")
+            raise bad_request(f"`{at}.type` is {kind!r}: only {allowed} are supported", f"{at}.type")
         checked = _checked(rs.TextPart, part, at)
         text = checked.refusal if checked.type == "refusal" else checked.text
         if text is None:
             field = "refusal" if checked.type == "refusal" else "text"
             raise bad_request(f"`{at}` is a {checked.type} part without `{field}`", f"{at}.{field}")
         texts.append(text)
-    return "\n".join(texts)
+        chat_parts.append({"type": "text", "text": text})
+    return (chat_parts if sources else "\n".join(texts)), sources
 
 
 def check_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,7 +125,7 @@ def check_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                               "function_call_output and reasoning items", f"{where}.type")
         value = _checked(model, item, where)
         if kind == "message" and not isinstance(value.content, str):
-            _parts_text(value.content, f"{where}.content")
+            _parts(value.content, f"{where}.content")
         if kind == "function_call":
             try:
                 arguments = json.loads(value.arguments) if value.arguments.strip() else {}
@@ -117,16 +140,22 @@ def check_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return checked
 
 
-def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+def chat_messages(items: list[dict[str, Any]], instructions: str | None, places: dict[str, str] | None = None
+                  ) -> list[dict[str, Any]]:
     """Checked items as chat messages: function calls join the assistant message before
-    them (or make one), each output is a `tool` message; reasoning items are skipped."""
+    them (or make one), each output is a `tool` message; reasoning items are skipped.
+    ``places``: filled with each chat image part -> its input part (named by errors)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions is not None else []
     for i, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            content = item["content"]
-            text = content if isinstance(content, str) else _parts_text(content, f"input[{i}].content")
-            messages.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
+            content, sources = item["content"], {}
+            if not isinstance(content, str):
+                content, sources = _parts(content, f"input[{i}].content")
+            for k, at in sources.items():
+                if places is not None:
+                    places[f"messages[{len(messages)}].content[{k}]"] = at
+            messages.append({"role": "system" if item["role"] == "developer" else item["role"], "content": content})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -137,7 +166,7 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item["output"]
-            text = output if isinstance(output, str) else _parts_text(output, f"input[{i}].output")
+            text = output if isinstance(output, str) else _parts(output, f"input[{i}].output", images=False)[0]
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
     if not messages:
         raise bad_request("`input` holds no message, function call or function call output", "input")

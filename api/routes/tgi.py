@@ -5,7 +5,9 @@ output (`ember.api.structured_outputs`); as on the OpenAI routes, a constrained 
 waits for its first engine output before answering, so a grammar that fails to compile
 is a 400. TGI's chat route is the OpenAI one (/v1/chat/completions), tools included.
 `parameters.adapter_id` selects a LoRA adapter by its name (null: the base model; a name
-not loaded: 404, `GenerationService.adapter_for_id`).
+not loaded: 404, `GenerationService.adapter_for_id`). For a model that takes images,
+markdown images in `inputs` (``![](url)``) are images, as TGI's vision models take them
+(`ember.api.routes.media`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from starlette.routing import Route
 from ember.api.errors import APIError, Flavor, error_response, not_available, sse_error_event, validation_error
 from ember.api.http import ClientDisconnected, EventStreamResponse, read_model, sse_event, unless_disconnected
 from ember.api.openapi import GENERATION_ERRORS, documented
+from ember.api.routes.media import MARKDOWN_IMAGE, NeedsMedia, complete, markdown_images
 from ember.api.schemas import tgi
 from ember.api.service import GenerationService, with_watermark
 from ember.api.structured_outputs import failure, tgi_constraint
 from ember.logprobs import Logprob
+from ember.multimodal.chat import ImageRef
 from ember.outputs import OutputKind, RequestOutput
 from ember.sampling_params import SamplingParams
+
+Prepared = tuple[list[int], SamplingParams, tuple]  # a request's prompt ids, parameters and processed images
 
 # parameter -> (neutral value that is accepted, where it will be implemented)
 NOT_YET: dict = {}
@@ -112,8 +118,9 @@ class TGIRoutes:
             Route("/tokenize", self.tokenize, methods=["POST"]),
         ]
 
-    def _prepare(self, body: tgi.GenerateRequest, is_stream: bool = False) -> tuple[list[int], SamplingParams]:
-        """Tokenize and validate (on a preparation thread: `GenerationService.run_blocking`)."""
+    def _prepare(self, body: tgi.GenerateRequest, is_stream: bool = False) -> Prepared | NeedsMedia[Prepared]:
+        """Tokenize and validate (on a preparation thread: `GenerationService.run_blocking`);
+        with markdown images in `inputs`, up to them (`NeedsMedia`: `complete` finishes it)."""
         service = self.service
         if not body.inputs:
             raise APIError(422, "`inputs` is empty: give a non-empty prompt", "validation", "inputs")
@@ -131,15 +138,34 @@ class TGIRoutes:
                 "validation", "truncate",
             )
         service.check_stop(p.stop, "stop")
+        text, images = self._inputs(body.inputs)
+        if images and p.truncate is not None:
+            raise validation_error("`truncate` cannot cut a prompt that holds images: remove it, or the images",
+                                   "truncate")
         if p.truncate is None:
-            service.check_chars(body.inputs, "inputs")
-        ids = service.encode(body.inputs)
+            service.check_chars(text, "inputs")
+
+        def finish(ids: list[int], mm_items: tuple = ()) -> Prepared:
+            max_new = service.check_lengths(len(ids), p.max_new_tokens)
+            params = sampling_params(p, max_new)
+            service.validate(ids, params)
+            return ids, params, mm_items
+
+        ids = service.encode(text)
         if p.truncate is not None:
             ids = ids[-p.truncate :]
-        max_new = service.check_lengths(len(ids), p.max_new_tokens)
-        params = sampling_params(p, max_new)
-        service.validate(ids, params)
-        return ids, params
+        return NeedsMedia(ids, images, "inputs", finish, text, True) if images else finish(ids)
+
+    def _inputs(self, inputs: str) -> tuple[str, list[ImageRef]]:
+        """`inputs` as the model reads it: for a model that takes images, each markdown image
+        (``![](url)``, TGI's way) becomes the model's placeholder text there; for one that
+        takes none, the text as it is (as TGI)."""
+        if "](" not in inputs or MARKDOWN_IMAGE.search(inputs) is None:
+            return inputs, []
+        image_text = self.service.media.image_text
+        if image_text is None:
+            return inputs, []
+        return markdown_images(inputs, image_text, "inputs")
 
     # -- /generate --------------------------------------------------------------
     @documented(summary="Generate text (TGI)", tag="TGI", request=tgi.GenerateRequest,
@@ -154,10 +180,11 @@ class TGIRoutes:
     async def _generate(self, request: Request, body: tgi.GenerateRequest) -> Response:
         service = self.service
         adapter = service.adapter_for_id(body.parameters.adapter_id)
-        ids, params = await service.run_blocking(self._prepare, body)
+        ids, params, mm_items = await complete(service, await service.run_blocking(self._prepare, body))
+        media = {"mm_items": mm_items} if mm_items else {}  # a text request calls the service as before
         with service.admit():
             try:
-                final = service.generate_final(body.inputs, ids, params, body.parameters.priority, adapter)
+                final = service.generate_final(body.inputs, ids, params, body.parameters.priority, adapter, **media)
                 out = await unless_disconnected(request, final)
             except ClientDisconnected:
                 return Response(status_code=499)
@@ -215,10 +242,12 @@ class TGIRoutes:
     async def _stream(self, body: tgi.GenerateRequest) -> Response:
         service = self.service
         adapter = service.adapter_for_id(body.parameters.adapter_id)
-        ids, params = await service.run_blocking(self._prepare, body, True)
+        ids, params, mm_items = await complete(service, await service.run_blocking(self._prepare, body, True))
         service.acquire()
         try:
-            outs = service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA, adapter)
+            media = {"mm_items": mm_items} if mm_items else {}
+            outs = service.generate(body.inputs, ids, params, body.parameters.priority, OutputKind.DELTA, adapter,
+                                    **media)
             first = None
             if params.constraint is not None:  # a grammar that fails is a 400, before any header
                 try:

@@ -1,9 +1,9 @@
 """Anthropic Messages API shapes: POST /v1/messages and /v1/messages/count_tokens.
 
 Requests are validated strictly (unknown fields refused, no "5" for 5). Fields of the
-Messages API that Ember cannot honour (`mcp_servers`, `container`, image and document
-blocks, server tools; `thinking` without a reasoning parser) are named by a 400
-(`UNSUPPORTED_FIELDS`), never ignored.
+Messages API that Ember cannot honour (`mcp_servers`, `container`, document blocks,
+image blocks for a model that takes no images, server tools; `thinking` without a
+reasoning parser) are named by a 400 (`UNSUPPORTED_FIELDS`), never ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +34,26 @@ class TextBlock(Strict):
     text: str
     cache_control: dict[str, Any] | None = Field(None, description="accepted and ignored")
     citations: None = Field(None, description="only null")
+
+
+class ImageBlock(Strict):
+    """A user message's image (a model that takes images: docs/multimodal.md); its
+    source is checked by its type (`Base64ImageSource`, `URLImageSource`)."""
+
+    type: Literal["image"]
+    source: dict[str, Any] = Field(description='{"type": "base64", "media_type", "data"} or {"type": "url", "url"}')
+    cache_control: dict[str, Any] | None = Field(None, description="accepted and ignored")
+
+
+class Base64ImageSource(Strict):
+    type: Literal["base64"]
+    media_type: str = Field(description="image/jpeg, image/png, image/gif or image/webp")
+    data: str = Field(description="the image file, base64")
+
+
+class URLImageSource(Strict):
+    type: Literal["url"]
+    url: str = Field(description="an http(s):// URL the server allows (--allowed-media-domains), or file://")
 
 
 class ToolUseBlock(Strict):
@@ -69,7 +89,7 @@ class ToolResultBlock(Strict):
 class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]] = Field(
-        description="a string, or a list of `text`, `tool_use` (assistant) and `tool_result` (user) blocks"
+        description="a string, or a list of `text`, `tool_use` (assistant), `tool_result` and `image` (user) blocks"
     )
 
     @field_validator("content", mode="wrap")

@@ -174,11 +174,15 @@ class CompletionRequest(SamplingFields):
 
 
 class TextContentPart(BaseModel):
-    """`{"type": "text", "text": ...}`; other part types are refused by name (422)."""
+    """`{"type": "text", "text": ...}` or `{"type": "image_url", "image_url": {"url", "detail"}}`
+    (a model that takes images: docs/multimodal.md); other part types are refused by name (422)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    # checked by the route (a 400 naming the part): a model's processor decides what `detail` does
+    image_url: Any = Field(None, description='with type "image_url": {"url": a data: URL, or an http(s):// or '
+                           'file:// URL the server allows, "detail": "auto" | "low" | "high"}')
 
 
 class ChatMessage(Strict):
@@ -186,7 +190,8 @@ class ChatMessage(Strict):
         description="`developer` is treated as `system`; `tool` carries a tool's result"
     )
     content: str | list[TextContentPart] | None = Field(
-        None, description="a string, or a list of text parts (joined by newlines); may be null beside tool_calls"
+        None, description="a string, or a list of text parts (joined by newlines) and image_url parts; may be null "
+        "beside tool_calls"
     )
     name: str | None = Field(None, description="accepted and ignored")
     tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's calls")
@@ -195,7 +200,7 @@ class ChatMessage(Strict):
     @field_validator("content", mode="wrap")
     @classmethod
     def _content(cls, value: Any, handler: Any) -> Any:
-        return _one_of(value, handler, 'a string or a list of {"type": "text", "text": ...} parts')
+        return _one_of(value, handler, 'a string or a list of content part objects ("text", "image_url")')
 
 
 class ChatCompletionRequest(SamplingFields):

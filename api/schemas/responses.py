@@ -23,7 +23,7 @@ UNSUPPORTED_FIELDS = {
     "prompt": "stored prompt templates",
     "context_management": "context management (compaction)",
     "moderation": "moderation",
-    "image": "image settings (Ember has no vision)",
+    "image": "image settings",
     "access_programs": "access programs",
     "background_options": "background responses",
     "prompt_cache_options": "prompt-cache options (prefix caching is automatic)",
@@ -155,6 +155,16 @@ class TextPart(BaseModel):
     annotations: list[Any] | None = Field(None, description="accepted and ignored")
     logprobs: list[Any] | None = Field(None, description="accepted and ignored")
     parsed: Any = Field(None, description="accepted and ignored (the openai SDK's parsed output text)")
+
+
+class ImagePart(BaseModel):
+    """An image in an input message (a model that takes images: docs/multimodal.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, description="a data: URL, or an http(s):// or file:// URL the server allows")
+    file_id: str | None = Field(None, description="not supported (Ember has no files API): a 400")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted (the model's processor decides)")
 
 
 class MessageItem(Item):

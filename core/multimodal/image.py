@@ -32,14 +32,7 @@ def decode_image(data: bytes, limits: MediaLimits, where: str | None = None):
             raise MediaError(f"image has more pixels than the limit of {limits.max_image_pixels}", where) from None
         except Exception:  # PIL raises many kinds for foreign or broken bytes; none is shown
             raise MediaError(f"not an image in a format Ember reads ({', '.join(IMAGE_FORMATS)})", where) from None
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise MediaError(f"image has no pixels ({width}x{height})", where)
-    if width * height > limits.max_image_pixels:
-        raise MediaError(
-            f"image is {width}x{height} = {width * height} pixels, more than the limit of {limits.max_image_pixels}",
-            where,
-        )
+    limits.check_size(*image.size, where)
     try:
         if getattr(image, "n_frames", 1) > 1:
             image.seek(0)  # an animation: its first frame

@@ -62,12 +62,27 @@ class MediaLimits:
     default_per_prompt: int = 4
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000
+    # an image's long side over its short side, at most: image processors resize the short
+    # side to the model's size first, so a 1 x 200000 strip (well under the pixel cap) would
+    # take gigabytes on its way to a small square (Qwen2-VL's processor refuses over 200 too)
+    max_aspect_ratio: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("default_per_prompt", "max_image_bytes", "max_image_pixels"):
+        for name in ("default_per_prompt", "max_image_bytes", "max_image_pixels", "max_aspect_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "default_per_prompt" else 1):
                 raise ValueError(f"MediaLimits.{name} must be a positive integer, got {value!r}")
+
+    def check_size(self, width: int, height: int, where: str | None = None) -> None:
+        """MediaError for an image with no pixels, more than the pixel cap, or too narrow."""
+        if width < 1 or height < 1:
+            raise MediaError(f"image has no pixels ({width}x{height})", where)
+        if width * height > self.max_image_pixels:
+            raise MediaError(f"image is {width}x{height} = {width * height} pixels, more than the limit of "
+                             f"{self.max_image_pixels}", where)
+        if max(width, height) > self.max_aspect_ratio * min(width, height):
+            raise MediaError(f"image is {width}x{height}: an aspect ratio over {self.max_aspect_ratio}:1 is refused "
+                             "(the model's processor would resize it to a huge canvas)", where)
 
     def max_items(self, modality: str) -> int:
         return self.per_prompt.get(modality, self.default_per_prompt)

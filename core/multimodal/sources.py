@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import urllib.parse
+from dataclasses import replace
 
 from ember.multimodal.fetch import FetchPolicy, MediaFetchError, fetch_url
 from ember.multimodal.image import decode_image
@@ -52,16 +53,9 @@ def image_bytes_from_url(url: str, policy: FetchPolicy, limits: MediaLimits, whe
     if url[:5].lower() == "data:":
         return data_url_bytes(url, limits, where)
     try:
-        return fetch_url(url, policy if policy.max_bytes <= limits.max_image_bytes
-                         else _capped(policy, limits.max_image_bytes)).data
+        return fetch_url(url, replace(policy, max_bytes=min(policy.max_bytes, limits.max_image_bytes))).data
     except MediaFetchError as exc:
         raise MediaError(str(exc), where, 413 if exc.reason == "too_large" else 400) from None
-
-
-def _capped(policy: FetchPolicy, max_bytes: int) -> FetchPolicy:
-    from dataclasses import replace
-
-    return replace(policy, max_bytes=max_bytes)
 
 
 def load_image(source, policy: FetchPolicy, limits: MediaLimits, where: str | None = None):
@@ -69,9 +63,7 @@ def load_image(source, policy: FetchPolicy, limits: MediaLimits, where: str | No
     from PIL import Image
 
     if isinstance(source, Image.Image):
-        width, height = source.size
-        if width * height > limits.max_image_pixels or width < 1 or height < 1:
-            raise MediaError(f"image is {width}x{height} pixels; the limit is {limits.max_image_pixels}", where)
+        limits.check_size(*source.size, where)
         return source.convert("RGB")
     if isinstance(source, (bytes, bytearray)):
         return decode_image(bytes(source), limits, where)
