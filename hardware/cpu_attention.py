@@ -31,6 +31,8 @@ class PrefillGroup:
     start_position: int
     # flat slot ids of the tokens cached before this chunk; None when there are none
     cached_slots: torch.Tensor | None
+    # position spans whose tokens attend both ways (AttentionBatch.bidirectional_spans); () none
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -101,9 +103,9 @@ class CPUAttention(BaseAttention):
 
     def prepare(self, batch: AttentionBatch) -> CPUAttentionMetadata:
         block_size, n = batch.block_size, len(batch.query_lens)
-        if self.row_invariant and n:
+        if self.row_invariant and n and not batch.bidirectional_spans:  # (spans need a prompt's rows together)
             return self._rows_as_decodes(batch)
-        if n and sum(batch.query_lens) == n and min(batch.start_positions) > 0:  # decodes only: the common step
+        if n and sum(batch.query_lens) == n and min(batch.start_positions) > 0 and not batch.bidirectional_spans:
             tables = _decode_tables(batch.block_table, max(batch.start_positions), block_size)
             metadata = CPUAttentionMetadata(batch.slot_mapping, None, tables, batch.seq_lens, [], block_size, True)
             if self.kernels is None:
@@ -114,8 +116,10 @@ class CPUAttention(BaseAttention):
         decode_lens: list[int] = []  # their context lengths
         prefills: list[PrefillGroup] = []
         row = 0
+        all_spans = batch.bidirectional_spans
         for i, (num_query, start) in enumerate(zip(batch.query_lens, batch.start_positions)):
-            if start > 0 and num_query <= DECODE_ROWS_MAX:
+            spans = tuple(s for s in all_spans[i] if s[0] < start + num_query and start < s[1]) if all_spans else ()
+            if start > 0 and num_query <= DECODE_ROWS_MAX and not spans:
                 # a decode, or a few tokens after a cached context (a decode with draft
                 # tokens to verify): each row attends as a decode over its own context,
                 # reading the paged cache in place, with the numbers a decode would get
@@ -124,7 +128,7 @@ class CPUAttention(BaseAttention):
                 decode_lens.extend(range(start + 1, start + num_query + 1))
             else:
                 cached = batch.context_slots(i)[:start] if start > 0 else None
-                prefills.append(PrefillGroup(row, row + num_query, start, cached))
+                prefills.append(PrefillGroup(row, row + num_query, start, cached, spans))
             row += num_query
         metadata = CPUAttentionMetadata(batch.slot_mapping, None, None, None, prefills, block_size)
         if decode_rows:  # with prefills beside them
@@ -169,6 +173,7 @@ class CPUAttention(BaseAttention):
     # the PyTorch-only decodes run `attend_limited` (masked SDPA, or scores by hand with a cap)
     supports_sliding_window = True
     supports_softcap = True
+    supports_bidirectional_spans = True  # prompts with spans run `attend_limited` with them
 
     def forward(self, q, k, v, kv_cache, metadata: CPUAttentionMetadata, scale: float, *,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -196,7 +201,7 @@ class CPUAttention(BaseAttention):
             qs = q[group.token_start : group.token_end].transpose(0, 1)[None]
             ks = k[group.token_start : group.token_end].transpose(0, 1)[None]
             vs = v[group.token_start : group.token_end].transpose(0, 1)[None]
-            if limited:  # keys from the window's start only: the cached ones it reaches, then the new
+            if limited or group.spans:  # keys from the window's start only: the cached ones it reaches, then the new
                 rows = slice(group.token_start, group.token_end)
                 lo = 0 if window is None else max(0, group.start_position - window + 1)
                 k_all, v_all = k[rows], v[rows]
@@ -206,7 +211,8 @@ class CPUAttention(BaseAttention):
                     v_all = torch.cat((flat_cache[1][ctx].to(q.dtype), v_all))
                 else:
                     lo = group.start_position
-                out[rows] = attend_limited(q[rows], k_all, v_all, group.start_position, lo, scale, window, softcap)
+                out[rows] = attend_limited(q[rows], k_all, v_all, group.start_position, lo, scale, window, softcap,
+                                           group.spans)
                 continue
             if group.cached_slots is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=is_gqa)
@@ -309,11 +315,12 @@ LIMITED_ROWS = 256  # query rows per product in attend_limited: scores of at mos
 
 
 def attend_limited(q, k_all, v_all, first_position: int, key_start: int, scale: float,
-                   window: int | None, softcap: float | None) -> torch.Tensor:
+                   window: int | None, softcap: float | None, spans: tuple = ()) -> torch.Tensor:
     """Causal attention of ``q`` (n, H, D), queries at positions ``first_position ..``, over
     ``k_all``/``v_all`` (ctx, Hkv, D), keys at positions ``key_start ..`` (the last key is
-    the last query's), with a sliding ``window`` and/or a logit ``softcap``. Queries go in
-    groups of `LIMITED_ROWS`, each over the keys its window reaches: masked SDPA, or,
+    the last query's), with a sliding ``window`` and/or a logit ``softcap``, and queries in
+    one of ``spans`` (``(start, end)`` positions) also over the span's later keys. Queries
+    go in groups of `LIMITED_ROWS`, each over the keys its window reaches: masked SDPA, or,
     with a cap, the scores by hand in float32 (SDPA cannot cap)."""
     n, num_heads, _ = q.shape
     group = num_heads // k_all.shape[1]
@@ -323,8 +330,12 @@ def attend_limited(q, k_all, v_all, first_position: int, key_start: int, scale: 
         q_pos = torch.arange(first_position + a, first_position + b)[:, None]
         lo = key_start if window is None else max(key_start, first_position + a - window + 1)
         hi = first_position + b
+        near = [(s, e) for s, e in spans if s < hi and first_position + a < e]  # spans these queries are in
+        hi = min(max([hi] + [e for _, e in near]), key_start + k_all.shape[0])
         k_pos = torch.arange(lo, hi)[None, :]
         mask = k_pos <= q_pos
+        for s, e in near:
+            mask |= (q_pos >= s) & (q_pos < e) & (k_pos >= s) & (k_pos < e)
         if window is not None:
             mask &= k_pos > q_pos - window
         qs = q[a:b].transpose(0, 1)[None]  # (1, H, m, D)

@@ -85,9 +85,10 @@ def test_legacy_checkpoint_without_the_plugin_lists_supported(example_version, l
         ember.LLM(str(legacy_llama_dir), num_kv_blocks=64, disabled_plugins=("legacy_llama",))
     message = str(excinfo.value)
     assert "['LLaMAForCausalLM'] is not supported" in message
-    from ember.models import gemma, llama, moe
+    from ember.models import gemma, idefics3, llama, moe
 
-    built_in = sorted(llama.ARCHITECTURES + llama.BASE_ARCHITECTURES + moe.ARCHITECTURES + gemma.ARCHITECTURES)
+    vision = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", *idefics3.ARCHITECTURES)
+    built_in = sorted(llama.ARCHITECTURES + llama.BASE_ARCHITECTURES + moe.ARCHITECTURES + gemma.ARCHITECTURES + vision)
     assert f"supported architectures: {', '.join(built_in)} (install a plugin" in message
 
 

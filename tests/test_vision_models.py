@@ -14,7 +14,7 @@ from PIL import Image
 
 from ember import LLM, SamplingParams
 from ember.multimodal.limits import MediaError
-from ember.testing.tiny_vlms import make_tiny_llava, make_tiny_smolvlm
+from ember.testing.tiny_vlms import make_tiny_gemma3_vlm, make_tiny_llava, make_tiny_smolvlm
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 10
@@ -24,6 +24,8 @@ FAMILIES = {
     "llava": lambda path: make_tiny_llava(path, seed=3),
     "smolvlm": lambda path: make_tiny_smolvlm(path, seed=4),
     "idefics3": lambda path: make_tiny_smolvlm(path, seed=5, arch="idefics3"),
+    # bidirectional attention among an image's tokens; a window of 6 keys in its sliding layers
+    "gemma3": lambda path: make_tiny_gemma3_vlm(path, seed=6),
 }
 
 
@@ -49,6 +51,9 @@ def hf_greedy(hf_model, image_processor, ids: list[int], images: list) -> tuple[
     if images:
         nested = "Idefics3" in type(image_processor).__name__ or "SmolVLM" in type(image_processor).__name__
         kwargs = dict(image_processor(images=[images] if nested else images, return_tensors="pt"))
+        kwargs.pop("num_crops", None)
+        if hf_model.config.model_type == "gemma3":  # its image tokens' bidirectional block
+            kwargs["token_type_ids"] = (torch.tensor([ids]) == hf_model.config.image_token_id).long()
     hf_model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = hf_model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -70,7 +75,9 @@ PROMPTS = [  # (text, images): with and without images, two images, the same ima
 
 def run_batch(llm: LLM, prompts=PROMPTS):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    inputs = [{"prompt": text, "multi_modal_data": {"image": [image(s) for s in seeds]}} for text, seeds in prompts]
+    placeholder = llm.engine.multimodal_processor.spec.prompt_text
+    inputs = [{"prompt": text.replace("<image>", placeholder), "multi_modal_data": {"image": [image(s) for s in seeds]}}
+              for text, seeds in prompts]
     return llm.generate(inputs, params)
 
 
@@ -215,18 +222,18 @@ def test_vision_models_ember_does_not_run_are_refused_by_name(tmp_path):
 
     from ember.testing.tiny_models import byte_tokenizer
 
-    config = transformers.Gemma3Config(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=320),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=7), mm_tokens_per_image=4)
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    config.save_pretrained(tmp_path / "gemma3")
-    byte_tokenizer().save_pretrained(tmp_path / "gemma3")
+    config = transformers.LlavaNextConfig(  # LLaVA-NeXT's tiling: not yet
+        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=320),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=7))
+    config.architectures = ["LlavaNextForConditionalGeneration"]
+    config.save_pretrained(tmp_path / "next")
+    byte_tokenizer().save_pretrained(tmp_path / "next")
     for impl in ("auto", "transformers"):
-        with pytest.raises(ValueError, match=r"\['Gemma3ForConditionalGeneration'\] is a vision-language model "
-                                             r"Ember does not run yet \(vision-language architectures: .*Llava"):
-            LLM(model=str(tmp_path / "gemma3"), dtype="float32", model_impl=impl)
+        with pytest.raises(ValueError, match=r"\['LlavaNextForConditionalGeneration'\] is a vision-language model "
+                                             r"Ember does not run yet \(vision-language architectures: .*Gemma3"):
+            LLM(model=str(tmp_path / "next"), dtype="float32", model_impl=impl)
     writer = gguf.GGUFWriter(str(tmp_path / "mmproj.gguf"), "clip")
     writer.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -278,3 +285,24 @@ def test_lora_adapter_on_the_language_model_works_with_images(llava, tmp_path):
     with pytest.raises(Exception, match=r"vision_tower.*(not|no) ") as refused:
         llm.generate(prompt, params, lora_request=Tower())
     assert "Traceback" not in str(refused.value)
+
+
+def test_a_one_token_chunk_before_an_image_reads_its_own_token(vlm, monkeypatch):
+    """Chunks of 2, 1, 4, ... tokens (a chunk stops before an image's run; the next may be one
+    token long beside decodes): a step where every request computes one token is not all
+    decodes, each row reads the token at its position (it read the prompt's last token)."""
+    from ember.sched.encoder_planner import EncoderPlanner
+
+    path, hf_model = vlm
+    fit = EncoderPlanner.fit
+
+    def small_chunks(self, request, start, num_new):
+        return fit(self, request, start, min(num_new, 2 if start == 0 else 1 if start == 2 else num_new))
+
+    monkeypatch.setattr(EncoderPlanner, "fit", small_chunks)
+    llm = LLM(model=str(path), dtype="float32", block_size=4)
+    placeholder = llm.engine.multimodal_processor.spec.prompt_text
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out = llm.generate({"prompt": f"ab{placeholder} what?", "multi_modal_data": {"image": image(5)}}, params)[0]
+    tokens, _ = hf_greedy(hf_model, llm.engine.multimodal_processor.image_processor, out.prompt_token_ids, [image(5)])
+    assert out.outputs[0].token_ids == tokens

@@ -220,8 +220,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint norms hold ``w`` of ``(1 + w)``: stored here as ``1 + w`` (in float32
         before rounding to the model's dtype), so every norm is a plain RMSNorm."""
-        super().load_weights((name, _plus_one(tensor) if name.endswith("norm.weight") else tensor)
+        super().load_weights((name, _plus_one(tensor) if self.is_gemma_norm(name) else tensor)
                              for name, tensor in weights)
+
+    def is_gemma_norm(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` is a ``(1 + w)`` norm's ``w``."""
+        return name.endswith("norm.weight")
 
 
 def _plus_one(tensor: torch.Tensor) -> torch.Tensor:

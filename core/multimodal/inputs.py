@@ -51,6 +51,21 @@ class MultiModalItem:
         return before, before + int(self.embed_mask[lo:hi].sum())
 
 
+def embed_runs(item: MultiModalItem) -> tuple[tuple[int, int], ...]:
+    """The item's runs of consecutive embedding positions, as ``(start, end)`` prompt
+    positions (one run per image, or per crop or tile where markers separate them)."""
+    if item.embed_mask is None:
+        return ((item.offset, item.end),)
+    runs, start = [], None
+    for i, on in enumerate(item.embed_mask.tolist() + [False]):
+        if on and start is None:
+            start = i
+        elif not on and start is not None:
+            runs.append((item.offset + start, item.offset + i))
+            start = None
+    return tuple(runs)
+
+
 def overlapping(items: tuple[MultiModalItem, ...], start: int, end: int) -> list[int]:
     """Indices of the items whose run overlaps prompt positions ``[start, end)``."""
     return [i for i, item in enumerate(items) if item.offset < end and start < item.end]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-API_VERSION = "1.5.0"
+API_VERSION = "1.6.0"
 
 #: the module attribute a plugin states its range in
 RANGE_ATTRIBUTE = "EMBER_PLUGIN_API"

@@ -61,6 +61,10 @@ class AttentionBatch:
     block_size: int
     seq_lens: torch.Tensor  # (num_requests,) int64 context lengths (cached + new), on the device
     query_start_loc: torch.Tensor  # (num_requests + 1,) int64 flat index of each request's first token
+    # per request, the position spans ``(start, end)`` whose tokens attend to each other both
+    # ways (an image's tokens in Gemma 3; plugin API 1.6); None: every request is causal. A
+    # span a request's queries touch lies wholly in its context (cached + this step's).
+    bidirectional_spans: list[tuple[tuple[int, int], ...]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +124,8 @@ class BaseAttention(ABC):
     supports_sliding_window: ClassVar[bool] = False
     #: whether `forward` honours ``softcap`` (attention logit soft-capping: Gemma 2)
     supports_softcap: ClassVar[bool] = False
+    #: whether `prepare`/`forward` honour ``AttentionBatch.bidirectional_spans`` (Gemma 3's images)
+    supports_bidirectional_spans: ClassVar[bool] = False
 
     @abstractmethod
     def forward(
@@ -144,8 +150,11 @@ class BaseAttention(ABC):
         (transformers' ``sliding_window``; flash-attn's ``window_size=(window - 1, 0)``).
         ``softcap`` (only passed when ``supports_softcap``): every score ``s`` (already
         multiplied by ``scale``) becomes ``softcap * tanh(s / softcap)`` before the mask
-        and the softmax. A model that needs either on an attention without it is refused
-        at load, naming the attention and the model (`require_attention_features`)."""
+        and the softmax. Bidirectional spans (``AttentionBatch.bidirectional_spans``, only
+        when ``supports_bidirectional_spans``; plugin API 1.6): a query inside a span also
+        attends to the span's later keys (with a window: a later key is always within it).
+        A model that needs any of these on an attention without it is refused at load,
+        naming the attention and the model (`require_attention_features`)."""
 
     #: whether ``graph_metadata`` / ``fill_graph_metadata`` are implemented (decode
     #: steps can then be captured in device graphs, ``ember.worker.graphs``)
@@ -167,13 +176,14 @@ class BaseAttention(ABC):
 
 
 def require_attention_features(attention: BaseAttention, model: str, *, window: bool = False,
-                               softcap: bool = False) -> None:
+                               softcap: bool = False, bidirectional: bool = False) -> None:
     """ValueError naming ``attention`` and ``model`` unless the attention honours what the
     model's layers need (sliding windows, logit soft-capping): run without them, such a
     model's answers would be silently wrong past the window or wherever a score is large."""
     missing = [what for what, needed, has in (
         ("sliding-window attention", window, attention.supports_sliding_window),
         ("attention logit soft-capping", softcap, attention.supports_softcap),
+        ("bidirectional attention within an image", bidirectional, attention.supports_bidirectional_spans),
     ) if needed and not has]
     if missing:
         raise ValueError(f"{model} needs {' and '.join(missing)}, which the attention {attention.name!r} "

@@ -25,10 +25,14 @@ from ember.multimodal.inputs import MultiModalItem
 
 
 class EncoderCacheManager:
-    def __init__(self, capacity: int) -> None:
+    """``whole_runs``: the model's image tokens attend to each other both ways (Gemma 3), so
+    each run of them is computed within one step (`ember.sched.encoder_planner`)."""
+
+    def __init__(self, capacity: int, whole_runs: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"encoder cache capacity must be >= 1 embedding, got {capacity}")
         self.capacity = capacity
+        self.whole_runs = whole_runs
         self.entries: OrderedDict[str, int] = OrderedDict()  # hash -> embeddings, least recently used first
         self.refs: dict[str, set[str]] = {}  # hash -> ids of the requests that still read it
         self.used = 0
@@ -97,4 +101,5 @@ def encoder_cache_for(model, size: int | None, max_num_batched_tokens: int) -> E
     ``size`` embeddings, or the larger of 8192 and a step's token budget."""
     if not getattr(model, "supports_images", False):
         return None
-    return EncoderCacheManager(size or max(8192, max_num_batched_tokens))
+    return EncoderCacheManager(size or max(8192, max_num_batched_tokens),
+                               bool(getattr(model, "bidirectional_images", False)))

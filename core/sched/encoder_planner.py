@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ember.multimodal.inputs import overlapping
+from ember.multimodal.inputs import embed_runs, overlapping
 from ember.sched.encoder_cache import EncoderCacheManager
 from ember.sched.request import Request
 
@@ -29,11 +29,23 @@ class EncoderPlanner:
         self.budget = self.step_budget
         self.encode = {}
 
+    def check(self, request: Request) -> None:
+        """ValueError if an image of the request could never be scheduled."""
+        for item in request.mm_items:
+            self.cache.check_fits(item)
+            for run_start, run_end in embed_runs(item) if self.cache.whole_runs else ():
+                if run_end - run_start > self.step_budget:
+                    raise ValueError(f"an image's {run_end - run_start} tokens attend to each other and are computed "
+                                     f"in one step, more than a step's {self.step_budget} tokens "
+                                     "(raise --max-num-batched-tokens)")
+
     def fit(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """The tokens of ``[start, start + num_new)`` that can run this step and the
         request's images to encode for them (nothing is reserved until `commit`)."""
         if not request.mm_items or start >= request.num_prompt_tokens:
             return num_new, []
+        if self.cache.whole_runs:  # never split a run of tokens that attend both ways
+            num_new = self._whole_runs(request, start, num_new)
         items, cache, to_encode, planned = request.mm_items, self.cache, [], 0
         keep: set[str] = set()  # what the chunk reads up to here: never evicted for what it encodes
         for index in overlapping(items, start, start + num_new):
@@ -53,6 +65,15 @@ class EncoderPlanner:
             planned += item.num_embeds
             keep.add(item.content_hash)
         return num_new, to_encode
+
+    @staticmethod
+    def _whole_runs(request: Request, start: int, num_new: int) -> int:
+        end = start + num_new
+        for index in overlapping(request.mm_items, start, end):
+            for run_start, run_end in embed_runs(request.mm_items[index]):
+                if run_start < end < run_end:  # the chunk would end inside this run: stop before it
+                    return max(0, run_start - start)
+        return num_new
 
     def fit_chunk(self, request: Request, start: int, num_new: int, cost: int,
                   rechunk: Callable[[int], tuple[int, int]]) -> tuple[int, int, list[int]]:

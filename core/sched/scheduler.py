@@ -108,10 +108,9 @@ class Scheduler:
             block_size=self.kv.block_size, pooling=request.sampling_params.pooling is not None,
         )
         if request.mm_items:
-            if self.encoder_cache is None:
+            if self.images is None:
                 raise ValueError("this model takes no images")
-            for item in request.mm_items:
-                self.encoder_cache.check_fits(item)
+            self.images.check(request)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

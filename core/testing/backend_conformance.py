@@ -7,9 +7,8 @@ against theirs::
     def test_my_backend_conforms():
         check_backend(MyBackend)
 
-`check_backend` raises AssertionError describing the first broken rule, and
-``unittest.SkipTest`` (which pytest reports as a skip) when the backend is not
-available on this machine.
+`check_backend` raises AssertionError describing the first broken rule, and ``unittest.SkipTest``
+(which pytest reports as a skip) when the backend is not available on this machine.
 
 Attention is checked against a reference computed in float64 on the CPU, for a
 flat batch mixing every kind of request the scheduler produces: prefills from
@@ -23,18 +22,17 @@ from __future__ import annotations
 import math
 import random
 import unittest
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from ember.plugin.backend import AttentionBatch, BaseAttention, BaseBackend, SequenceSlice
+from ember.testing.attention_reference import (
+    BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, RequestCase, block_tables, cache_with_context,
+    make_requests, reference_attention,
+)
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 48
-NUM_KV_HEADS = 2
-NUM_HEADS = 2 * NUM_KV_HEADS
-NUM_LAYERS = 2
 
 # (cached tokens, new tokens) per request, in batch order: kinds interleaved.
 MIXED_BATCH: tuple[tuple[int, int], ...] = (
@@ -54,25 +52,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (3e-2, 3e-2),
     torch.float16: (5e-3, 5e-3),
 }
-
-
-@dataclass(frozen=True)
-class RequestCase:
-    """One request of a test batch; tensors are CPU float64 ground truth."""
-
-    num_cached: int
-    block_table: list[int]
-    q: torch.Tensor  # (num_new, num_heads, head_dim)
-    k: torch.Tensor  # (num_cached + num_new, num_kv_heads, head_dim)
-    v: torch.Tensor
-    block_size: int = BLOCK_SIZE
-
-    @property
-    def num_new(self) -> int:
-        return self.q.shape[0]
-
-    def slot(self, position: int) -> int:
-        return self.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
 
 def attention_block_size(attention: BaseAttention) -> int:
@@ -100,6 +79,8 @@ def check_backend(backend_cls: type[BaseBackend], *, head_dim: int = 64, seed: i
         for window, softcap in attention_limits(backend.create_attention()):
             check_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed, window=window, softcap=softcap)
             check_graph_attention(backend, dtype=dtype, head_dim=head_dim, seed=seed, window=window, softcap=softcap)
+            if backend.create_attention().supports_bidirectional_spans and softcap is None:  # Gemma 3's images
+                check_bidirectional_spans(backend, dtype=dtype, head_dim=head_dim, seed=seed, window=window)
 
 
 # what the limited-attention checks use, at BLOCK_SIZE (scaled with larger blocks): a
@@ -222,75 +203,6 @@ def check_attention(
             _check_step(backend, sub_batch, dtype, head_dim, rng, gen, window, softcap)
 
 
-def _block_tables(batch: tuple[tuple[int, int], ...], rng: random.Random, block_size: int) -> list[list[int]]:
-    """Disjoint tables drawn from shuffled block ids; the second request's table is one
-    block longer than its context needs (a backend must not touch that block)."""
-    block_ids = list(range(NUM_BLOCKS))
-    rng.shuffle(block_ids)
-    tables = []
-    for index, (num_cached, num_new) in enumerate(batch):
-        num_table_blocks = -(-(num_cached + num_new) // block_size) + (1 if index == 1 else 0)
-        table, block_ids = block_ids[:num_table_blocks], block_ids[num_table_blocks:]
-        assert len(table) == num_table_blocks, "the test batch needs more than NUM_BLOCKS blocks"
-        tables.append(table)
-    return tables
-
-
-def _make_requests(
-    batch: tuple[tuple[int, int], ...], tables: list[list[int]], head_dim: int, gen: torch.Generator,
-    block_size: int = BLOCK_SIZE,
-) -> list[RequestCase]:
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    return [
-        RequestCase(
-            num_cached=num_cached,
-            block_table=table,
-            q=randn(num_new, NUM_HEADS, head_dim),
-            k=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
-            v=randn(num_cached + num_new, NUM_KV_HEADS, head_dim),
-            block_size=block_size,
-        )
-        for (num_cached, num_new), table in zip(batch, tables)
-    ]
-
-
-def reference_attention(request: RequestCase, scale: float, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
-    """Dense causal attention of one request's new queries over its whole context (the
-    last ``window`` positions up to each query's; scores capped ``softcap tanh(s / softcap)``),
-    in float64: ``(num_new, num_heads, head_dim)``."""
-    group = NUM_HEADS // NUM_KV_HEADS
-    k = request.k.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, context, D)
-    v = request.v.repeat_interleave(group, dim=1).transpose(0, 1)
-    q = request.q.transpose(0, 1)  # (heads, new, D)
-    scores = q @ k.transpose(1, 2) * scale  # (heads, new, context)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    query_pos = torch.arange(request.num_cached, request.num_cached + request.num_new)[:, None]
-    key_pos = torch.arange(request.k.shape[0])[None, :]
-    hidden = key_pos > query_pos
-    if window is not None:
-        hidden |= key_pos <= query_pos - window
-    scores = scores.masked_fill(hidden, float("-inf"))
-    return (scores.softmax(dim=-1) @ v).transpose(0, 1)
-
-
-def _cache_with_context(
-    requests: list[RequestCase], block_size: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
-) -> torch.Tensor:
-    """A random cache holding each request's cached context at its slots, as earlier
-    steps would have written it."""
-    cache = torch.randn(2, NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-    flat = cache.view(2, NUM_BLOCKS * block_size, NUM_KV_HEADS, head_dim)
-    for r in requests:
-        slots = torch.tensor([r.slot(p) for p in range(r.num_cached)], dtype=torch.int64)
-        flat[0, slots] = r.k[: r.num_cached].to(dtype)
-        flat[1, slots] = r.v[: r.num_cached].to(dtype)
-    return cache
-
-
 def check_graph_attention(
     backend: BaseBackend, *, dtype: torch.dtype = torch.float32, head_dim: int = 64, seed: int = 0,
     padding: int = 3, window: int | None = None, softcap: float | None = None,
@@ -314,9 +226,9 @@ def check_graph_attention(
     # the second step: other requests, one fewer, longer contexts; the same static metadata
     for step, batch in enumerate((decodes, tuple((c + 5, 1) for c, _ in decodes[1:]))):
         batch = scale_batch(batch, block_size // BLOCK_SIZE)
-        tables = _block_tables(batch, rng, block_size)
-        requests = _make_requests(batch, tables, head_dim, gen, block_size)
-        cache = _cache_with_context(requests, block_size, head_dim, dtype, gen)
+        tables = block_tables(batch, rng, block_size)
+        requests = make_requests(batch, tables, head_dim, gen, block_size)
+        cache = cache_with_context(requests, block_size, head_dim, dtype, gen)
         before, kv_cache = cache.clone(), cache.to(device)
         slices = [SequenceSlice(1, c, list(t)) for (c, _), t in zip(batch, tables)]
         attention_batch = AttentionBatch.from_slices(slices, block_size, torch.device("cpu"))
@@ -362,6 +274,7 @@ def _check_step(
     gen: torch.Generator,
     window: int | None = None,
     softcap: float | None = None,
+    spans: tuple | None = None,  # per request: bidirectional spans (check_bidirectional_spans)
 ) -> None:
     device = backend.device
     name = backend.name
@@ -370,12 +283,12 @@ def _check_step(
     attention = backend.create_attention()
     block_size = attention_block_size(attention)
     batch = scale_batch(batch, block_size // BLOCK_SIZE)
-    tables = _block_tables(batch, rng, block_size)
+    tables = block_tables(batch, rng, block_size)
     # Every layer shares the batch's shape and block tables, with its own q/k/v and cache.
-    layers = [_make_requests(batch, tables, head_dim, gen, block_size) for _ in range(NUM_LAYERS)]
+    layers = [make_requests(batch, tables, head_dim, gen, block_size) for _ in range(NUM_LAYERS)]
     slices = [SequenceSlice(num_new, num_cached, list(table)) for (num_cached, num_new), table in zip(batch, tables)]
 
-    caches = [_cache_with_context(requests, block_size, head_dim, dtype, gen) for requests in layers]
+    caches = [cache_with_context(requests, block_size, head_dim, dtype, gen) for requests in layers]
     before = [c.clone() for c in caches]
     device_caches = [c.to(device) for c in caches]
 
@@ -388,6 +301,7 @@ def _check_step(
     attention_batch = replace(
         attention_batch, block_table=table.to(device), slot_mapping=attention_batch.slot_mapping.to(device),
         seq_lens=attention_batch.seq_lens.to(device), query_start_loc=attention_batch.query_start_loc.to(device),
+        bidirectional_spans=spans,
     )
     metadata = attention.prepare(attention_batch)
     limits = _limits(window, softcap, block_size // BLOCK_SIZE)
@@ -399,7 +313,7 @@ def _check_step(
         outputs.append(attention.forward(q, k, v, kv_cache, metadata, scale, **limits))
     backend.synchronize()
 
-    where = f"{name}, dtype {dtype}, batch (cached, new) = {list(batch)}{_where_limits(limits)}"
+    where = f"{name}, dtype {dtype}, batch (cached, new) = {list(batch)}{_where_limits({**limits, 'spans': spans})}"
     for layer, (requests, out, kv_cache, old) in enumerate(zip(layers, outputs, device_caches, before)):
         num_tokens = sum(r.num_new for r in requests)
         expected_shape = (num_tokens, NUM_HEADS, head_dim)
@@ -412,7 +326,7 @@ def _check_step(
             # The reference sees what the backend sees: inputs rounded to `dtype`.
             rounded = RequestCase(r.num_cached, r.block_table, r.q.to(dtype).double(), r.k.to(dtype).double(),
                                   r.v.to(dtype).double(), block_size)
-            expected = reference_attention(rounded, scale, **limits)
+            expected = reference_attention(rounded, scale, **limits, spans=spans[index] if spans else ())
             got = out[row : row + r.num_new]
             if not torch.allclose(got, expected, atol=atol, rtol=rtol):
                 error = (got - expected).abs().max().item()
@@ -424,8 +338,19 @@ def _check_step(
         _check_cache(kv_cache.cpu(), old, requests, dtype, f"{where}: layer {layer}")
 
 
+# bidirectional spans (API 1.6) in a prompt, after a cached context, begun in the cache, a short chunk
+# that is a span (not a decode), a decode beside them: (cached, new) and each request's spans
+SPAN_BATCH = ((0, 24), (8, 20), (16, 12), (20, 4), (20, 1))
+SPANS = (((5, 12), (14, 20)), ((10, 20),), ((12, 22),), ((20, 24),), ())
+
+
+def check_bidirectional_spans(backend: BaseBackend, *, dtype=torch.float32, head_dim=64, seed=0, window=None) -> None:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    _check_step(backend, SPAN_BATCH, dtype, head_dim, rng, gen, window, None, SPANS)
+
+
 def _where_limits(limits: dict) -> str:
-    return "".join(f", {key} {value}" for key, value in limits.items())
+    return "".join(f", {key} {value}" for key, value in limits.items() if value is not None)
 
 
 def _check_cache(

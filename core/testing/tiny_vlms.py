@@ -110,3 +110,43 @@ def make_tiny_smolvlm(out_dir: Path, seed: int = 0, tile: int = 32, patch_size: 
     getattr(processors, processor_name)(size={"longest_edge": longest_edge},
                                         max_image_size={"longest_edge": tile}).save_pretrained(out_dir)
     return model
+
+
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def make_tiny_gemma3_vlm(out_dir: Path, seed: int = 0, image_size: int = 28, patch_size: int = 7,
+                         tokens_per_image: int = 4, **text_overrides):
+    """Gemma 3's vision-language shape: a SigLIP tower over one ``image_size`` image, average
+    pooling to ``tokens_per_image`` rows, a Gemma 3 decoder (sliding and global layers, a
+    window of 6 keys so that prompts slide). Returns the transformers model (fp32, eval)."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from ember.testing.tiny_models import GEMMA_DEFAULTS
+
+    out_dir = Path(out_dir)
+    tokenizer = _tokenizer_with(*GEMMA3_TOKENS)
+    boi, eoi, soft = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS)
+    # (a narrower init than the other tiny models': Gemma's at 0.3 repeats one token whatever it sees)
+    text = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.05,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, **GEMMA_DEFAULTS["gemma3"])
+    text.update(text_overrides)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=image_size, patch_size=patch_size),
+        mm_tokens_per_image=tokens_per_image, boi_token_id=boi, eoi_token_id=eoi, image_token_id=soft,
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("vision_tower" in name or "multi_modal_projector" in name) and param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    return model

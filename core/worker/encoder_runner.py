@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from ember.multimodal.inputs import overlapping
+from ember.multimodal.inputs import embed_runs, overlapping
+from ember.plugin.backend import AttentionBatch
 from ember.sched.step import SchedulerOutput
 
 
 class EncoderRunner:
     def __init__(self, model) -> None:
         self.model = model
+        # an image's tokens attend to each other both ways (Gemma 3): the step's spans go to attention
+        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
         self.cache: dict[str, torch.Tensor] = {}  # content hash -> (num_embeds, hidden), compute dtype
 
     def run(self, scheduler_output: SchedulerOutput, requests: dict) -> None:
@@ -34,19 +37,29 @@ class EncoderRunner:
             for content_hash, rows in zip(todo, outputs):
                 self.cache[content_hash] = rows
 
-    def input_embeds(self, input_ids: torch.Tensor, requests: list, query_lens: list[int]) -> torch.Tensor | None:
+    def input_embeds(self, input_ids: torch.Tensor, requests: list, query_lens: list[int],
+                     attention_batch: AttentionBatch) -> torch.Tensor | None:
         """The step's input embeddings with image rows in place, or None when no token
-        of the step lies in an image's run."""
+        of the step lies in an image's run; for a bidirectional model, the images' runs
+        the step's queries touch go to ``attention_batch.bidirectional_spans``."""
         spans = []
         first = 0
+        bidirectional: list[tuple] = []
         for request, num_tokens in zip(requests, query_lens):
             start = request.num_computed_tokens
+            runs: tuple = ()
             if request.mm_items and start < len(request.prompt_token_ids):
                 for index in overlapping(request.mm_items, start, start + num_tokens):
                     spans.append((request.mm_items[index], first, start, start + num_tokens))
+                    if self.bidirectional:
+                        runs += tuple(r for r in embed_runs(request.mm_items[index])
+                                      if r[0] < start + num_tokens and start < r[1])
+            bidirectional.append(runs)
             first += num_tokens
         if not spans:
             return None
+        if self.bidirectional and any(bidirectional):
+            attention_batch.bidirectional_spans = bidirectional
         embeds = self.model.embed(input_ids.to(self.model_device)).clone()
         for item, first, start, end in spans:
             rows = self.cache.get(item.content_hash)

@@ -192,11 +192,11 @@ class InputBatch:
             rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=n)
             tables = torch.from_numpy(self.block_table[rows, :width])
         if len(query_lens) == sum(query_lens):
-            # decodes only: each row's one token is its last, at position num_computed
+            # one token each at position num_computed: a decode's last, or a prompt chunk's (one before an image)
             ints = self._step_ints
             for i, r in enumerate(requests):
-                p = starts[i]
-                ints[i] = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                p, prompt = starts[i], r.prompt_token_ids
+                ints[i] = prompt[p] if p < len(prompt) else r.output_token_ids[p - len(prompt)]
                 ints[n + i] = p
                 ints[2 * n + i] = r.block_ids[p // bs] * bs + p % bs
                 ints[3 * n + i] = p + 1
@@ -385,7 +385,7 @@ class ModelRunner:
             query_lens.append(num_tokens)
             num_flat += num_tokens
         input_ids, positions, attention_batch = batch.gather(requests, query_lens)
-        embeds = self.encoder_runner and self.encoder_runner.input_embeds(input_ids, requests, query_lens)
+        embeds = self.encoder_runner and self.encoder_runner.input_embeds(input_ids, requests, query_lens, attention_batch)
         graphs = self.graphs if embeds is None else None
         if self.adapter_slots is not None and self.adapter_slots.prepare([r.adapter_id for r in requests], query_lens):
             graphs = None  # adapter tokens a captured graph cannot compute: eager
