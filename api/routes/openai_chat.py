@@ -126,7 +126,9 @@ class ChatRoutes(OpenAIRoutes):
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await read_model(request, oa.ChatCompletionRequest)
-            job, setup = await complete(self.service, await self.service.run_blocking(self._chat_job, body))
+            prepared = await self.service.run_blocking(self._chat_job, body)
+            # (a text-only chat never enters the images' module: the request path stays short)
+            job, setup = await complete(self.service, prepared) if isinstance(prepared, NeedsMedia) else prepared
             reply = self._reply("chatcmpl", "chat.completion", body)
             if body.stream:
                 chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model,

@@ -12,8 +12,6 @@ Registered as a built-in plugin through Ember's own `ember` entry point.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,13 +83,6 @@ class Gemma3ForConditionalGeneration(SupportsImages, GemmaForCausalLM):
             out.append(torch.cat(rows))
         return out
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata: Any,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_name(name), tensor) for name, tensor in weights)
 
@@ -99,9 +90,9 @@ class Gemma3ForConditionalGeneration(SupportsImages, GemmaForCausalLM):
         return super().is_gemma_norm(name) and "vision_tower." not in name  # SigLIP's are LayerNorms
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor) -> list[str] | None:
-        if name.startswith("model.vision_tower."):
-            return [f"vision_tower.{key}" for key in self.vision_tower.load_tensor(name[len("model.vision_tower."):],
-                                                                                   tensor)]
+        keys = self.load_tower_tensor("vision_tower", name, tensor)
+        if keys is not None:
+            return keys
         if name == "model.multi_modal_projector.mm_input_projection_weight":  # (vision, text): stored transposed
             self.projection.load_part(0, "weight", tensor.t().contiguous())
             return ["projection.weight"]

@@ -11,8 +11,6 @@ Registered as a built-in plugin through Ember's own `ember` entry point.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 import torch
 
 from ember.models.layers import Linear
@@ -91,20 +89,13 @@ class Idefics3ForConditionalGeneration(SupportsImages, LlamaForCausalLM):
                                   for tile in tiles]))
         return out
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata: Any,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_name(name), tensor) for name, tensor in weights)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor) -> list[str] | None:
-        if name.startswith("model.vision_model."):
-            return [f"vision_model.{key}" for key in self.vision_model.load_tensor(name[len("model.vision_model."):],
-                                                                                   tensor)]
+        keys = self.load_tower_tensor("vision_model", name, tensor)
+        if keys is not None:
+            return keys
         if name in ("model.connector.modality_projection.proj.weight", "model.connector.weight"):
             self.connector.load_part(0, "weight", tensor)
             return ["connector.weight"]

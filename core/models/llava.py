@@ -10,8 +10,6 @@ Registered as a built-in plugin through Ember's own `ember` entry point.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 import torch
 
 from ember.models.layers import Linear
@@ -90,21 +88,14 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
                 out.append(self.projector_2(self.projector_act(self.projector_1(features))))
         return out
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata: Any,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
     # -- weights: transformers' names, legacy (language_model.model.*) and current (model.language_model.*)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_text_name(name), tensor) for name, tensor in weights)
 
     def load_extra_weight(self, name: str, tensor: torch.Tensor) -> list[str] | None:
-        if name.startswith("model.vision_tower."):
-            return [f"vision_tower.{key}" for key in self.vision_tower.load_tensor(name[len("model.vision_tower."):],
-                                                                                   tensor)]
+        keys = self.load_tower_tensor("vision_tower", name, tensor)
+        if keys is not None:
+            return keys
         if name.startswith("model.multi_modal_projector."):
             layer, _, kind = name[len("model.multi_modal_projector."):].partition(".")
             target = {"linear_1": self.projector_1, "linear_2": self.projector_2}.get(layer)

@@ -32,6 +32,23 @@ class SupportsImages:
     # how checkpoints and adapters (peft) name the decoder's layers ("model.language_model.layers.0...")
     decoder_prefixes: tuple[str, ...] = ("model.",)
 
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """The decoder over ``inputs_embeds`` when the runner passes them (image rows in
+        place), else over the tokens' embeddings."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden, residual = self.run_layers(positions, hidden, None, kv_caches, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def load_tower_tensor(self, tower: str, name: str, tensor: torch.Tensor) -> list[str] | None:
+        """A checkpoint tensor of the vision tower held as attribute ``tower`` (named
+        ``model.<tower>.*``): loaded, and the keys it filled; None for another tensor."""
+        prefix = f"model.{tower}."
+        if not name.startswith(prefix):
+            return None
+        return [f"{tower}.{key}" for key in getattr(self, tower).load_tensor(name[len(prefix):], tensor)]
+
     def linear_parts(self):
         """The decoder's linears under each of the family's names for them (LoRA adapters
         trained on the whole model name them so), and the head; the vision tower's and

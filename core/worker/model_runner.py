@@ -196,7 +196,7 @@ class InputBatch:
             ints = self._step_ints
             for i, r in enumerate(requests):
                 p, prompt = starts[i], r.prompt_token_ids
-                ints[i] = prompt[p] if p < len(prompt) else r.output_token_ids[p - len(prompt)]
+                ints[i] = prompt[p] if p < len(prompt) else r.output_token_ids[-1]
                 ints[n + i] = p
                 ints[2 * n + i] = r.block_ids[p // bs] * bs + p % bs
                 ints[3 * n + i] = p + 1
