@@ -71,17 +71,15 @@ class Gemma3ForConditionalGeneration(SupportsImages, GemmaForCausalLM):
         return Gemma3Spec(multimodal_config(hf_config))
 
     def encode_images(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        out = []
-        for data in items:
-            rows = []
-            for image in data["pixel_values"].to(self.projection.weight.device):  # the image, then its crops
-                x = self.vision_tower(image)  # (patches, hidden)
-                side = self.patches_per_side
-                pooled = F.avg_pool2d(x.t().reshape(1, -1, side, side), self.pool, self.pool).flatten(2)[0].t()
-                normed = pooled.float() * torch.rsqrt(pooled.float().pow(2).mean(-1, keepdim=True) + self.norm_eps)
-                rows.append(self.projection((normed * self.soft_emb_norm.float()).to(x.dtype)))
-            out.append(torch.cat(rows))
-        return out
+        pixels = torch.cat([data["pixel_values"] for data in items])  # every item's image, then its crops
+        x = self.vision_tower(pixels.to(self.projection.weight.device))  # (images, patches, hidden)
+        side = self.patches_per_side
+        pooled = F.avg_pool2d(x.transpose(1, 2).reshape(len(x), -1, side, side), self.pool, self.pool)
+        pooled = pooled.flatten(2).transpose(1, 2).float()  # (images, tokens, hidden)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.soft_emb_norm.float()
+        rows = self.projection(normed.to(x.dtype).reshape(-1, x.shape[-1])).view(len(x), -1, self.projection.output_sizes[0])
+        counts = [int(data["pixel_values"].shape[0]) for data in items]
+        return [part.reshape(-1, part.shape[-1]) for part in rows.split(counts)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_name(name), tensor) for name, tensor in weights)

@@ -46,13 +46,13 @@ class Idefics3Spec(MultiModalSpec):
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
-    """``(seq, dim)`` patches of a square tile -> ``(seq / scale**2, dim * scale**2)``, as
-    transformers' Idefics3 connector orders them."""
-    seq, dim = x.shape
+    """``(tiles, seq, dim)`` patches of square tiles -> ``(tiles, seq / scale**2, dim * scale**2)``,
+    as transformers' Idefics3 connector orders them."""
+    tiles, seq, dim = x.shape
     side = int(seq ** 0.5)
-    x = x.view(side, side // scale, dim * scale).permute(1, 0, 2)
-    x = x.reshape(side // scale, side // scale, dim * scale * scale).permute(1, 0, 2)
-    return x.reshape(seq // (scale * scale), dim * scale * scale)
+    x = x.view(tiles, side, side // scale, dim * scale).permute(0, 2, 1, 3)
+    x = x.reshape(tiles, side // scale, side // scale, dim * scale * scale).permute(0, 2, 1, 3)
+    return x.reshape(tiles, seq // (scale * scale), dim * scale * scale)
 
 
 class Idefics3ForConditionalGeneration(SupportsImages, LlamaForCausalLM):
@@ -77,17 +77,16 @@ class Idefics3ForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         return Idefics3Spec(multimodal_config(hf_config))
 
     def encode_images(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        out = []
-        device = self.connector.weight.device
         for data in items:
             mask = data.get("pixel_attention_mask")
             if mask is not None and not bool(mask.all()):
                 raise ValueError("padded image tiles are not supported (the family's processors give full tiles "
                                  "for one image)")
-            tiles = data["pixel_values"].to(device).flatten(0, 1)  # (tiles, 3, S, S)
-            out.append(torch.cat([self.connector(pixel_shuffle(self.vision_model(tile), self.scale_factor))
-                                  for tile in tiles]))
-        return out
+        tiles = torch.cat([data["pixel_values"].flatten(0, 1) for data in items])  # (tiles, 3, S, S), all items
+        shuffled = pixel_shuffle(self.vision_model(tiles.to(self.connector.weight.device)), self.scale_factor)
+        rows = self.connector(shuffled.reshape(-1, shuffled.shape[-1])).view(len(tiles), -1, self.connector.output_sizes[0])
+        counts = [int(data["pixel_values"].shape[1]) for data in items]
+        return [part.reshape(-1, part.shape[-1]) for part in rows.split(counts)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_name(name), tensor) for name, tensor in weights)

@@ -78,15 +78,12 @@ class LlavaForConditionalGeneration(SupportsImages, LlamaForCausalLM):
         return LlavaSpec(multimodal_config(hf_config))
 
     def encode_images(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        out = []
-        for data in items:
-            pixels = data["pixel_values"].to(self.vision_tower.patch_embedding.weight.device)
-            for image in pixels:  # (1, 3, H, W): one image
-                features = self.vision_tower(image)
-                if self.drop_class_token and self.vision_tower.is_clip:
-                    features = features[1:]
-                out.append(self.projector_2(self.projector_act(self.projector_1(features))))
-        return out
+        device = self.vision_tower.patch_embedding.weight.device
+        features = self.vision_tower(torch.cat([data["pixel_values"] for data in items]).to(device))
+        if self.drop_class_token and self.vision_tower.is_clip:
+            features = features[:, 1:]
+        rows = self.projector_2(self.projector_act(self.projector_1(features.reshape(-1, features.shape[-1]))))
+        return list(rows.view(len(items), -1, rows.shape[-1]))  # one image per item
 
     # -- weights: transformers' names, legacy (language_model.model.*) and current (model.language_model.*)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

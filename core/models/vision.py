@@ -49,11 +49,14 @@ class VisionAttention(nn.Module):
         self.qkv_proj = Linear(hidden, [hidden] * 3, True, dtype, compute_dtype, device)
         self.out_proj = Linear(hidden, [hidden], True, dtype, compute_dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(q, k, v)  # (heads, n, head_dim), scale head_dim ** -0.5
-        return self.out_proj(out.transpose(0, 1).reshape(n, -1))
+    def forward(self, x: torch.Tensor, num_images: int) -> torch.Tensor:
+        """``x``: ``(num_images * n, hidden)``, each image's ``n`` patches attending to each other."""
+        total = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(num_images, total // num_images, 3, self.num_heads, self.head_dim) \
+            .permute(2, 0, 3, 1, 4)
+        # 4-D (images, heads, n, head_dim): PyTorch's CPU flash kernel (3-D inputs take the math path)
+        out = F.scaled_dot_product_attention(q, k, v)  # scale head_dim ** -0.5
+        return self.out_proj(out.transpose(1, 2).reshape(total, -1))
 
 
 class VisionMLP(nn.Module):
@@ -75,8 +78,8 @@ class VisionEncoderLayer(nn.Module):
         self.layer_norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, device)
         self.mlp = VisionMLP(cfg, dtype, compute_dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, num_images: int) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), num_images)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -121,23 +124,26 @@ class VisionTransformer(nn.Module):
                                if not self.is_clip and used == total else None)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``(3, H, W)`` pixels -> ``(num_positions, hidden)`` in the compute dtype."""
+        """``(images, 3, H, W)`` pixels -> ``(images, num_positions, hidden)`` in the compute
+        dtype; the images go through each layer together (one product per linear)."""
         weight = self.patch_embedding.weight
-        _, height, width = pixel_values.shape
+        num_images, _, height, width = pixel_values.shape
         if height != self.image_size or width != self.image_size:
             raise ValueError(f"image tensor is {height}x{width}; this vision tower takes "
                              f"{self.image_size}x{self.image_size}")
-        patches = self.patch_embedding(pixel_values.unsqueeze(0).to(weight.dtype)).flatten(2)[0].t()
+        patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
         if self.class_embedding is not None:
-            patches = torch.cat([self.class_embedding.unsqueeze(0), patches])
+            patches = torch.cat([self.class_embedding.expand(num_images, 1, -1), patches], dim=1)
         x = (patches + self.position_embedding).to(self.compute_dtype)
+        positions = x.shape[1]
+        x = x.reshape(num_images * positions, -1)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, num_images)
         if self.post_layernorm is not None:
             x = self.post_layernorm(x)
-        return x
+        return x.view(num_images, positions, -1)
 
     def load_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
         """One of the tower's checkpoint tensors under transformers' names (from
