@@ -572,7 +572,7 @@ def test_connection_failures_have_safe_messages(server: _Server) -> None:
 @pytest.fixture(scope="module")
 def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
+        pytest.fail("openssl is needed to make a test certificate (apt-get install openssl; .ci/run does)")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
