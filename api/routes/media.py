@@ -31,6 +31,10 @@ U = TypeVar("U")
 MARKDOWN_IMAGE = re.compile(r"!\[[^\]\n]*\]\(([^)\s]*)\)")
 
 
+# the flag that sets each limit a `MediaError` names (its ``limit``)
+LIMIT_FLAGS = {"max_image_pixels": "--max-image-pixels", "max_image_bytes": "--max-image-bytes"}
+
+
 @dataclass(frozen=True, slots=True)
 class NeedsMedia(Generic[T]):
     """A request prepared up to its images. ``ids``: the tokenized prompt, one placeholder
@@ -73,7 +77,7 @@ def relocated(exc: MediaError, places: dict[str, str] | None) -> MediaError:
     if where is None:
         return exc
     message = str(exc).removeprefix(f"`{exc.where}`: ")
-    return MediaError(message, where, exc.status)
+    return MediaError(message, where, exc.status, exc.limit)
 
 
 class ServerMedia:
@@ -122,19 +126,10 @@ class ServerMedia:
         """A refusal as the API's error: 400 (413 for too many bytes), the part as ``param``,
         and the flag that sets the limit it hit."""
         message = str(exc)
-        flag = self._flag_of(message)
+        flag = LIMIT_FLAGS.get(exc.limit or "")
         if flag is not None and flag not in message:
             message += f" (the server's {flag})"
         return APIError(exc.status, message, "payload_too_large" if exc.status == 413 else "bad_request", exc.where)
-
-    def _flag_of(self, message: str) -> str | None:
-        if "pixel" in message and f"limit of {self.limits.max_image_pixels}" in message:
-            return "--max-image-pixels"
-        limit = self.limits.max_image_bytes
-        if "byte" in message and (f"limit of {limit}" in message or f"{min(limit, self.policy.max_bytes)}-byte limit"
-                                  in message):
-            return "--max-image-bytes"
-        return None
 
     async def expand(self, ids: list[int], images: list[ImageRef], where: str, text: str | None = None,
                      special: bool = False) -> tuple[list[int], tuple]:

@@ -21,7 +21,8 @@ def decode_image(data: bytes, limits: MediaLimits, where: str | None = None):
     from PIL import Image
 
     if len(data) > limits.max_image_bytes:
-        raise MediaError(f"image has {len(data)} bytes, more than the limit of {limits.max_image_bytes}", where, 413)
+        raise MediaError(f"image has {len(data)} bytes, more than the limit of {limits.max_image_bytes}", where, 413,
+                         "max_image_bytes")
     if not data:
         raise MediaError("image is empty (0 bytes)", where)
     with warnings.catch_warnings():
@@ -29,7 +30,8 @@ def decode_image(data: bytes, limits: MediaLimits, where: str | None = None):
         try:
             image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise MediaError(f"image has more pixels than the limit of {limits.max_image_pixels}", where) from None
+            raise MediaError(f"image has more pixels than the limit of {limits.max_image_pixels}", where,
+                             limit="max_image_pixels") from None
         except Exception:  # PIL raises many kinds for foreign or broken bytes; none is shown
             raise MediaError(f"not an image in a format Ember reads ({', '.join(IMAGE_FORMATS)})", where) from None
     limits.check_size(*image.size, where)

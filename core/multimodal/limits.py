@@ -12,12 +12,14 @@ class MediaError(ValueError):
     """A media item Ember refuses. ``where`` names the part of the request
     (``messages[0].content[1]``), ``status`` the HTTP status the API answers with.
     The message is safe to show a client: it names the part and the limit, never a
-    decoder's own text or a memory address."""
+    decoder's own text or a memory address. ``limit``: the `MediaLimits` field it hit
+    (``max_image_pixels``, ...), None for other refusals (the server names its flag)."""
 
-    def __init__(self, message: str, where: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, where: str | None = None, status: int = 400, limit: str | None = None) -> None:
         super().__init__(f"`{where}`: {message}" if where else message)
         self.where = where
         self.status = status
+        self.limit = limit
 
 
 def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int]:
@@ -79,7 +81,7 @@ class MediaLimits:
             raise MediaError(f"image has no pixels ({width}x{height})", where)
         if width * height > self.max_image_pixels:
             raise MediaError(f"image is {width}x{height} = {width * height} pixels, more than the limit of "
-                             f"{self.max_image_pixels}", where)
+                             f"{self.max_image_pixels}", where, limit="max_image_pixels")
         if max(width, height) > self.max_aspect_ratio * min(width, height):
             raise MediaError(f"image is {width}x{height}: an aspect ratio over {self.max_aspect_ratio}:1 is refused "
                              "(the model's processor would resize it to a huge canvas)", where)

@@ -23,7 +23,7 @@ def decode_base64(text: str, limits: MediaLimits, where: str | None = None) -> b
     compact = "".join(text.split())
     if len(compact) * 3 // 4 > limits.max_image_bytes + 2:
         raise MediaError(f"image has about {len(compact) * 3 // 4} bytes, more than the limit of "
-                         f"{limits.max_image_bytes}", where, 413)
+                         f"{limits.max_image_bytes}", where, 413, "max_image_bytes")
     try:
         return base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
@@ -42,7 +42,8 @@ def data_url_bytes(url: str, limits: MediaLimits, where: str | None = None) -> b
     if "base64" in params[1:]:
         return decode_base64(payload, limits, where)
     if len(payload) > 3 * limits.max_image_bytes:
-        raise MediaError(f"image is larger than the limit of {limits.max_image_bytes} bytes", where, 413)
+        raise MediaError(f"image is larger than the limit of {limits.max_image_bytes} bytes", where, 413,
+                         "max_image_bytes")
     return urllib.parse.unquote_to_bytes(payload)
 
 
@@ -55,7 +56,8 @@ def image_bytes_from_url(url: str, policy: FetchPolicy, limits: MediaLimits, whe
     try:
         return fetch_url(url, replace(policy, max_bytes=min(policy.max_bytes, limits.max_image_bytes))).data
     except MediaFetchError as exc:
-        raise MediaError(str(exc), where, 413 if exc.reason == "too_large" else 400) from None
+        too_large = exc.reason == "too_large"
+        raise MediaError(str(exc), where, 413 if too_large else 400, "max_image_bytes" if too_large else None) from None
 
 
 def load_image(source, policy: FetchPolicy, limits: MediaLimits, where: str | None = None):
