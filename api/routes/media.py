@@ -109,7 +109,8 @@ class ServerMedia:
                 model_dir = self.client.model_info.model_dir
                 registry = self.client.plugin_manager.registries.model_architectures
                 self._processor = create_multimodal_processor(model_dir, load_hf_config(model_dir), registry,
-                                                              self.limits, self.model_impl)
+                                                              self.limits, self.model_impl,
+                                                              getattr(self.client, "tokenizer", None))
                 self._built = True
             return self._processor
 

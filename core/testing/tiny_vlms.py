@@ -22,6 +22,23 @@ def _tokenizer_with(*tokens: str):
     return tokenizer
 
 
+def _text_config(tokenizer, overrides: dict, **family) -> dict:
+    """The tiny decoder every family here shares (`ember.testing.tiny_models`' sizes), with
+    the family's settings, then the caller's."""
+    return {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.3,
+                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False), **family, **overrides}
+
+
+def _widen(model, parts: tuple[str, ...]) -> None:
+    """Random vision weights at a scale that keeps images' effect on the logits visible."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in parts) and param.dim() > 1:
+                param.normal_(0.0, 0.2)
+
+
 def make_tiny_llava(out_dir: Path, seed: int = 0, image_size: int = 28, patch_size: int = 7,
                     select_strategy: str = "default", feature_layer: int = -2, **text_overrides):
     """LLaVA-1.5's shape: a CLIP vision tower, a two-layer GELU projector and a Llama
@@ -32,11 +49,7 @@ def make_tiny_llava(out_dir: Path, seed: int = 0, image_size: int = 28, patch_si
     out_dir = Path(out_dir)
     tokenizer = _tokenizer_with(IMAGE_TOKEN)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.3,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    text.update(text_overrides)
+    text = _text_config(tokenizer, text_overrides)
     vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                   image_size=image_size, patch_size=patch_size, projection_dim=32, initializer_range=0.3)
     config = transformers.LlavaConfig(
@@ -48,11 +61,7 @@ def make_tiny_llava(out_dir: Path, seed: int = 0, image_size: int = 28, patch_si
     config.architectures = ["LlavaForConditionalGeneration"]
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():  # random weights at a scale that keeps image tokens' logits apart
-        for name, param in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name:
-                if param.dim() > 1:
-                    param.normal_(0.0, 0.2)
+    _widen(model, ("vision_tower", "multi_modal_projector"))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -78,11 +87,7 @@ def make_tiny_smolvlm(out_dir: Path, seed: int = 0, tile: int = 32, patch_size: 
     out_dir = Path(out_dir)
     tokenizer = _tokenizer_with(*SMOLVLM_TOKENS)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.3,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    text.update(text_overrides)
+    text = _text_config(tokenizer, text_overrides)
     vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   image_size=tile, patch_size=patch_size, initializer_range=0.3)
     names = {"smolvlm": ("SmolVLMConfig", "SmolVLMVisionConfig", "SmolVLMForConditionalGeneration",
@@ -98,10 +103,7 @@ def make_tiny_smolvlm(out_dir: Path, seed: int = 0, tile: int = 32, patch_size: 
     config.architectures = [arch_name]
     torch.manual_seed(seed)
     model = getattr(transformers, arch_name)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ("vision_model" in name or "connector" in name) and param.dim() > 1:
-                param.normal_(0.0, 0.2)
+    _widen(model, ("vision_model", "connector"))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     import importlib
@@ -129,11 +131,8 @@ def make_tiny_gemma3_vlm(out_dir: Path, seed: int = 0, image_size: int = 28, pat
     tokenizer = _tokenizer_with(*GEMMA3_TOKENS)
     boi, eoi, soft = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS)
     # (a narrower init than the other tiny models': Gemma's at 0.3 repeats one token whatever it sees)
-    text = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=VOCAB_SIZE, max_position_embeddings=512, initializer_range=0.05,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, **GEMMA_DEFAULTS["gemma3"])
-    text.update(text_overrides)
+    text = _text_config(tokenizer, text_overrides, initializer_range=0.05, tie_word_embeddings=True,
+                        **GEMMA_DEFAULTS["gemma3"])
     config = transformers.Gemma3Config(
         text_config=text, vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                              num_attention_heads=4, image_size=image_size, patch_size=patch_size),
@@ -142,10 +141,7 @@ def make_tiny_gemma3_vlm(out_dir: Path, seed: int = 0, image_size: int = 28, pat
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ("vision_tower" in name or "multi_modal_projector" in name) and param.dim() > 1:
-                param.normal_(0.0, 0.2)
+    _widen(model, ("vision_tower", "multi_modal_projector"))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(out_dir)

@@ -17,6 +17,7 @@ from ember.sched.step import SchedulerOutput
 class EncoderRunner:
     def __init__(self, model) -> None:
         self.model = model
+        self.device = next(model.parameters()).device
         # an image's tokens attend to each other both ways (Gemma 3): the step's spans go to attention
         self.bidirectional = bool(getattr(model, "bidirectional_images", False))
         self.cache: dict[str, torch.Tensor] = {}  # content hash -> (num_embeds, hidden), compute dtype
@@ -60,7 +61,7 @@ class EncoderRunner:
             return None
         if self.bidirectional and any(bidirectional):
             attention_batch.bidirectional_spans = bidirectional
-        embeds = self.model.embed(input_ids.to(self.model_device)).clone()
+        embeds = self.model.embed(input_ids.to(self.device)).clone()
         for item, first, start, end in spans:
             rows = self.cache.get(item.content_hash)
             if rows is None:  # the scheduler's plan and the runner's cache disagree: a bug, never input
@@ -73,7 +74,3 @@ class EncoderRunner:
                 positions = torch.nonzero(item.embed_mask[lo - item.offset : hi - item.offset]).flatten()
                 embeds[first + lo - start + positions.to(embeds.device)] = rows[row_lo:row_hi]
         return embeds
-
-    @property
-    def model_device(self) -> torch.device:
-        return next(self.model.parameters()).device
